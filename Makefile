@@ -1,0 +1,47 @@
+# fanstore-fuse: every target installs what it needs on a fresh machine.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+EXTRAS ?= test,bench,tensor
+
+.PHONY: all deps venv install demo test test-fast lint bench bench-quick clean
+
+all: test
+
+# Debian packages: fuse3 (fusermount3), libfuse3-dev + pkg-config (pyfuse3 builds from source),
+# squashfs-tools + squashfuse (benchmark anchors).
+deps:
+	@bash scripts/install-deps.sh
+
+$(STAMP): pyproject.toml scripts/install-deps.sh
+	@bash scripts/install-deps.sh
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip wheel
+	$(PIP) install --quiet -e '.[$(EXTRAS)]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) scripts/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -x -m "not mpi and not fault"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench scripts
+	$(VENV)/bin/mypy
+
+bench: $(STAMP)
+	$(PY) -m bench.run --full
+
+bench-quick: $(STAMP)
+	$(PY) -m bench.run --quick
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache
