@@ -1,0 +1,216 @@
+"""Mount bookkeeping without FUSE imports: state files, mount table, local dirs, umount.
+
+A mount's state file (JSON, under the per-user state directory) records the daemons' process
+ids, their mountpoints and local directories, so `umount` can stop every rank of a mount given
+the mountpoint template or any one rank's mountpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+import xxhash
+
+from ._errors import FanstoreError
+
+LOCAL_MARKER = ".fanstore-local"
+STATE_SEED = 0x4D4E5453
+
+
+def state_dir() -> str:
+    d = os.environ.get("FANSTORE_STATE_DIR") or os.path.join(
+        tempfile.gettempdir(), f"fanstore-fuse-{os.getuid()}"
+    )
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    return d
+
+
+def mount_key(mountpoint: str) -> str:
+    return xxhash.xxh3_64_hexdigest(os.path.abspath(mountpoint).encode(), seed=STATE_SEED)
+
+
+def default_local_dir(mountpoint: str) -> str:
+    return os.path.join(
+        tempfile.gettempdir(), f"fanstore-fuse-{os.getuid()}", "local-" + mount_key(mountpoint)
+    )
+
+
+@dataclass
+class MountState:
+    key: str
+    template: str
+    dest: str
+    mountpoints: list[str] = field(default_factory=list)
+    local_dirs: list[str] = field(default_factory=list)
+    pids: list[int] = field(default_factory=list)
+    ranks: int = 1
+    log: str = ""
+    launcher_pid: int = 0
+
+    def path(self) -> str:
+        return os.path.join(state_dir(), f"{self.key}.json")
+
+    def save(self) -> None:
+        p = self.path()
+        tmp = f"{p}.tmp{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(self), f)
+        os.replace(tmp, p)
+
+    def remove(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path())
+
+    @classmethod
+    def load(cls, path: str) -> MountState:
+        with open(path) as f:
+            return cls(**json.load(f))
+
+
+def find_state(mountpoint: str) -> MountState | None:
+    """The state of the mount whose template or any rank's mountpoint is `mountpoint`."""
+    mp = os.path.abspath(mountpoint)
+    direct = os.path.join(state_dir(), f"{mount_key(mp)}.json")
+    if os.path.exists(direct):
+        return MountState.load(direct)
+    for name in sorted(os.listdir(state_dir())):
+        if not name.endswith(".json"):
+            continue
+        try:
+            st = MountState.load(os.path.join(state_dir(), name))
+        except (OSError, ValueError, TypeError):
+            continue
+        if mp == os.path.abspath(st.template) or mp in st.mountpoints:
+            return st
+    return None
+
+
+def fuse_mounts() -> dict[str, str]:
+    """Mountpoint -> fstype for FUSE mounts, from /proc/self/mountinfo (works on dead mounts)."""
+    out: dict[str, str] = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            pre, _, post = line.partition(" - ")
+            fields = pre.split()
+            fstype = post.split()[0] if post else ""
+            if fstype.startswith("fuse"):
+                mp = fields[4].encode().decode("unicode_escape")
+                out[mp] = fstype
+    return out
+
+
+def is_mounted(mountpoint: str) -> bool:
+    return os.path.abspath(mountpoint) in fuse_mounts()
+
+
+def lazy_unmount(mountpoint: str) -> bool:
+    """`fusermount3 -u -z`; True if something was unmounted."""
+    if not is_mounted(mountpoint):
+        return False
+    for cmd in (["fusermount3", "-u", "-z", mountpoint], ["umount", "-l", mountpoint]):
+        with contextlib.suppress(FileNotFoundError):
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+            if r.returncode == 0 or not is_mounted(mountpoint):
+                return True
+    return not is_mounted(mountpoint)
+
+
+def check_mountpoint(mountpoint: str, allow_nonempty: bool = False) -> None:
+    """Clear errors for the mountpoint problems users hit."""
+    mp = os.path.abspath(mountpoint)
+    if is_mounted(mp):
+        raise FanstoreError(f"{mp} is already a mount (run `fanstore-fuse umount {mp}` first)")
+    if not os.path.exists(mp):
+        raise FanstoreError(f"mountpoint {mp} does not exist")
+    if not os.path.isdir(mp):
+        raise FanstoreError(f"mountpoint {mp} is not a directory")
+    if not os.access(mp, os.W_OK | os.X_OK):
+        raise FanstoreError(f"mountpoint {mp} is not writable by this user")
+    if not allow_nonempty and os.listdir(mp):
+        raise FanstoreError(f"mountpoint {mp} is not empty")
+
+
+def prepare_local_dir(path: str) -> str:
+    """Create (or reuse our own) node-local directory; refuse a foreign non-empty one."""
+    path = os.path.abspath(path)
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    entries = set(os.listdir(path))
+    if entries and LOCAL_MARKER not in entries:
+        raise FanstoreError(f"local directory {path} is not empty and not ours")
+    with open(os.path.join(path, LOCAL_MARKER), "w") as f:
+        f.write(f"{os.getpid()}\n")
+    return path
+
+
+def remove_local_dir(path: str) -> None:
+    """Remove a local copy, only if it carries our marker."""
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, LOCAL_MARKER)):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def _is_ours(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"fanstore" in f.read()
+    except OSError:
+        return False
+
+
+def stop_pids(pids: list[int], timeout: float = 15.0) -> list[int]:
+    """SIGTERM, wait, then SIGKILL what is left. Returns pids that had to be killed."""
+    live = [p for p in pids if pid_alive(p) and _is_ours(p)]
+    for p in live:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(pid_alive(p) for p in live):
+        time.sleep(0.05)
+    killed = [p for p in live if pid_alive(p)]
+    for p in killed:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+    return killed
+
+
+@dataclass
+class UmountResult:
+    mountpoints: list[str]
+    stopped: int
+    killed: int
+    stale: bool
+
+
+def umount(mountpoint: str, timeout: float = 15.0) -> UmountResult:
+    st = find_state(mountpoint)
+    if st is None:
+        mp = os.path.abspath(mountpoint)
+        if lazy_unmount(mp):
+            return UmountResult([mp], 0, 0, stale=True)
+        raise FanstoreError(f"{mp} is not a fanstore-fuse mount")
+    pids = list(st.pids) + ([st.launcher_pid] if st.launcher_pid else [])
+    killed = stop_pids(pids, timeout)
+    for mp in st.mountpoints:
+        lazy_unmount(mp)
+    for d in st.local_dirs:
+        remove_local_dir(d)
+    st.remove()
+    return UmountResult(st.mountpoints, len(pids), len(killed), stale=bool(killed))

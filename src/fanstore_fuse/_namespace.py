@@ -1,0 +1,123 @@
+"""The read-only namespace of a prepped dataset: name lookup and attributes by entry index.
+
+Entry index i is inode i + 1 (so the root is inode 1, pyfuse3.ROOT_INODE) on every node.
+"""
+
+from __future__ import annotations
+
+import stat
+from bisect import bisect_left
+from dataclasses import dataclass
+
+from ._errors import NotADirectory, NotFound
+from ._format import KIND_DIR, KIND_FILE, KIND_LINK, Manifest
+
+
+@dataclass(slots=True)
+class Record:
+    """Everything the FUSE layer needs to answer lookup/getattr/readdir for one entry."""
+
+    index: int
+    name: bytes
+    kind: int
+    mode: int
+    uid: int
+    gid: int
+    mtime_ns: int
+    size: int
+    first: int  # dir: first child; file: first blob; symlink: offset into links
+    count: int  # dir: children; file: blobs
+    nlink: int
+
+    @property
+    def inode(self) -> int:
+        return self.index + 1
+
+    @property
+    def is_dir(self) -> bool:
+        return self.kind == KIND_DIR
+
+
+class Namespace:
+    def __init__(self, manifest: Manifest):
+        self.m = manifest
+        e = manifest.entries
+        self._parent, self._kind, self._mode = e["parent"], e["kind"], e["mode"]
+        self._uid, self._gid, self._mtime = e["uid"], e["gid"], e["mtime_ns"]
+        self._size, self._first, self._count = e["size"], e["first"], e["count"]
+        self._names, self._off = manifest.names, manifest.name_off
+        self._subdirs: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return self.m.n_entries
+
+    def name(self, i: int) -> bytes:
+        return self._names[self._off[i] : self._off[i + 1]]
+
+    def path(self, i: int) -> bytes:
+        return self.m.path(i)
+
+    def parent(self, i: int) -> int:
+        return self._parent[i]
+
+    def record(self, i: int) -> Record:
+        k = self._kind[i]
+        return Record(
+            i, self.name(i), k, self._mode[i], self._uid[i], self._gid[i], self._mtime[i],
+            self._size[i], self._first[i], self._count[i], self._nlink(i, k),
+        )
+
+    def _nlink(self, i: int, kind: int) -> int:
+        if kind != KIND_DIR:
+            return 1
+        n = self._subdirs.get(i)
+        if n is None:
+            c0 = self._first[i]
+            kinds = self._kind
+            n = 2 + sum(1 for j in range(c0, c0 + self._count[i]) if kinds[j] == KIND_DIR)
+            self._subdirs[i] = n
+        return n
+
+    def lookup(self, parent: int, name: bytes) -> int:
+        """Index of `name` in directory `parent` (binary search over sorted children)."""
+        if self._kind[parent] != KIND_DIR:
+            raise NotADirectory(f"entry {parent} is not a directory")
+        if name == b".":
+            return parent
+        if name == b"..":
+            return self._parent[parent]
+        lo = self._first[parent]
+        hi = lo + self._count[parent]
+        j = bisect_left(range(lo, hi), name, key=self.name) + lo
+        if j < hi and self.name(j) == name:
+            return j
+        raise NotFound(f"{name!r} not found")
+
+    def resolve(self, path: bytes) -> int:
+        """Index of a dataset-relative path (b"" is the root); symlinks are not followed."""
+        i = 0
+        for part in path.split(b"/"):
+            if part:
+                i = self.lookup(i, part)
+        return i
+
+    def children(self, i: int) -> range:
+        if self._kind[i] != KIND_DIR:
+            raise NotADirectory(f"entry {i} is not a directory")
+        c0 = self._first[i]
+        return range(c0, c0 + self._count[i])
+
+    def blobs(self, i: int) -> range:
+        if self._kind[i] != KIND_FILE:
+            return range(0)
+        c0 = self._first[i]
+        return range(c0, c0 + self._count[i])
+
+    def readlink(self, i: int) -> bytes:
+        if self._kind[i] != KIND_LINK:
+            raise NotFound(f"entry {i} is not a symlink")
+        o = self._first[i]
+        return self.m.links[o : o + self._size[i]]
+
+    def is_regular(self, i: int) -> bool:
+        return stat.S_ISREG(self._mode[i])

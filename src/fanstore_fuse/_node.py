@@ -1,0 +1,203 @@
+"""One daemon's view of the dataset: metadata records and verified file bytes, for trio.
+
+No pyfuse3 here: `_fuse_ops` translates FUSE requests into calls on a `Node`. The node gets
+blob bytes from a `BlobSource` (local partitions on one node; local-or-remote when several
+ranks run), caches decoded blobs, deduplicates concurrent fetches, reads ahead sequentially,
+and moves blocking work (disk reads above a threshold, zstd, checksums) to worker threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import trio
+
+from ._blobstore import BlobStore
+from ._errors import FanstoreError
+from ._namespace import Namespace, Record
+
+log = logging.getLogger("fanstore_fuse.node")
+
+THREAD_THRESHOLD = int(os.environ.get("FANSTORE_THREAD_THRESHOLD", str(256 << 10)))
+CACHE_BYTES = int(os.environ.get("FANSTORE_CACHE_BYTES", str(256 << 20)))
+
+
+class BlobSource(Protocol):
+    """Where verified raw blob bytes come from."""
+
+    async def fetch(self, blob: int) -> bytes: ...
+
+
+class LocalBlobSource:
+    """Blobs from this node's partition files; big ones decoded in a worker thread."""
+
+    def __init__(self, store: BlobStore, stats: Stats, threshold: int = THREAD_THRESHOLD):
+        self.store = store
+        self.stats = stats
+        self.threshold = threshold
+        self._limiter = trio.CapacityLimiter(max(2, (os.cpu_count() or 1) * 2))
+
+    async def fetch(self, blob: int) -> bytes:
+        self.stats.local_reads += 1
+        if self.store.stored_size(blob) >= self.threshold or self.store.raw_size(blob) >= (
+            4 * self.threshold
+        ):
+            data = await trio.to_thread.run_sync(self.store.raw, blob, limiter=self._limiter)
+        else:
+            data = self.store.raw(blob)
+        self.stats.local_bytes += len(data)
+        return data
+
+
+@dataclass
+class Stats:
+    local_reads: int = 0
+    local_bytes: int = 0
+    remote_reads: int = 0
+    remote_bytes: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    errors: int = 0
+    in_flight: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, int]:
+        d = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        d.update(self.extra)
+        return d
+
+
+class BlobCache:
+    """LRU of decoded blobs bounded by bytes; one fetch per blob however many readers wait."""
+
+    def __init__(self, fetch: Callable[[int], Awaitable[bytes]], stats: Stats, limit: int):
+        self._fetch = fetch
+        self._stats = stats
+        self._limit = limit
+        self._data: OrderedDict[int, bytes] = OrderedDict()
+        self._bytes = 0
+        self._pending: dict[int, trio.Event] = {}
+        self._failed: dict[int, FanstoreError] = {}
+
+    def peek(self, blob: int) -> bool:
+        return blob in self._data or blob in self._pending
+
+    async def get(self, blob: int) -> bytes:
+        while True:
+            data = self._data.get(blob)
+            if data is not None:
+                self._data.move_to_end(blob)
+                self._stats.cache_hits += 1
+                return data
+            ev = self._pending.get(blob)
+            if ev is None:
+                break
+            await ev.wait()
+            err = self._failed.pop(blob, None)
+            if err is not None:
+                raise err
+        self._stats.cache_misses += 1
+        ev = self._pending[blob] = trio.Event()
+        self._stats.in_flight += 1
+        try:
+            data = await self._fetch(blob)
+        except FanstoreError as e:
+            self._stats.errors += 1
+            self._failed[blob] = e
+            raise
+        finally:
+            self._stats.in_flight -= 1
+            del self._pending[blob]
+            ev.set()
+        self._insert(blob, data)
+        return data
+
+    def _insert(self, blob: int, data: bytes) -> None:
+        if len(data) > self._limit:
+            return
+        self._data[blob] = data
+        self._bytes += len(data)
+        while self._bytes > self._limit:
+            _, old = self._data.popitem(last=False)
+            self._bytes -= len(old)
+
+
+class Node:
+    def __init__(
+        self,
+        ns: Namespace,
+        source: BlobSource,
+        stats: Stats | None = None,
+        cache_bytes: int = CACHE_BYTES,
+        readahead: int = 2,
+    ):
+        self.ns = ns
+        self.stats = stats or Stats()
+        self.source = source
+        self.cache = BlobCache(source.fetch, self.stats, cache_bytes)
+        self.chunk = int(ns.m.options.get("chunk_size", 4 << 20))
+        self.readahead = readahead
+        self._nursery: trio.Nursery | None = None
+
+    def attach(self, nursery: trio.Nursery) -> None:
+        """Give the node a nursery for background read-ahead."""
+        self._nursery = nursery
+
+    # ------------------------------------------------------------ metadata
+
+    async def record(self, index: int) -> Record:
+        return self.ns.record(index)
+
+    async def lookup(self, parent: int, name: bytes) -> Record:
+        return self.ns.record(self.ns.lookup(parent, name))
+
+    async def listdir(self, index: int, start: int, limit: int) -> list[Record]:
+        kids = self.ns.children(index)[start : start + limit]
+        return [self.ns.record(j) for j in kids]
+
+    async def readlink(self, index: int) -> bytes:
+        return self.ns.readlink(index)
+
+    def path(self, index: int) -> str:
+        return os.fsdecode(self.ns.path(index))
+
+    # ------------------------------------------------------------ data
+
+    async def read(self, index: int, off: int, size: int) -> bytes:
+        rec = self.ns.record(index)
+        if off >= rec.size or size <= 0:
+            return b""
+        end = min(rec.size, off + size)
+        chunk = self.chunk
+        k0, k1 = off // chunk, (end - 1) // chunk
+        first = rec.first
+        if k0 == k1:
+            data = await self.cache.get(first + k0)
+            base = k0 * chunk
+            out = data if (off == base and end - base == len(data)) else data[off - base : end - base]
+        else:
+            parts = []
+            for k in range(k0, k1 + 1):
+                data = await self.cache.get(first + k)
+                base = k * chunk
+                parts.append(data[max(off, base) - base : min(end, base + len(data)) - base])
+            out = b"".join(parts)
+        if self._nursery is not None and self.readahead and rec.count > 1:
+            for k in range(k1 + 1, min(rec.count, k1 + 1 + self.readahead)):
+                if not self.cache.peek(first + k):
+                    self._nursery.start_soon(self._prefetch, first + k)
+        return out
+
+    async def _prefetch(self, blob: int) -> None:
+        try:
+            await self.cache.get(blob)
+        except FanstoreError as e:
+            log.warning("read-ahead of %s failed: %s", blob, e)
+
+    def status(self) -> dict[str, object]:
+        return {"stats": self.stats.as_dict(), "entries": len(self.ns)}

@@ -1,0 +1,132 @@
+"""Stage-in: copy (a rank's share of) the partitions from the shared DEST to node-local storage."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ._errors import FanstoreError
+from ._format import (
+    MANIFEST_NAME,
+    PARTITION_DATA_START,
+    Manifest,
+    check_partition_header,
+)
+
+Ranges = list[tuple[int, int]]  # (offset, length), sorted and non-overlapping
+
+
+@dataclass
+class StageResult:
+    partitions: int
+    bytes: int
+
+
+def coalesce(ranges: Iterable[tuple[int, int]]) -> Ranges:
+    out: Ranges = []
+    for off, n in sorted(ranges):
+        if out and off <= out[-1][0] + out[-1][1]:
+            o, m = out[-1]
+            out[-1] = (o, max(m, off + n - o))
+        else:
+            out.append((off, n))
+    return out
+
+
+def _copy_range(src_fd: int, dst_fd: int, off: int, n: int) -> None:
+    end = off + n
+    while off < end:
+        try:
+            k = os.copy_file_range(src_fd, dst_fd, end - off, off, off)
+        except OSError as e:
+            if e.errno in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                k = os.pwrite(dst_fd, os.pread(src_fd, min(end - off, 8 << 20), off), off)
+            else:
+                raise
+        if k == 0:
+            raise FanstoreError("source partition is shorter than the manifest says")
+        off += k
+
+
+def stage_partition(src: str, dst: str, size: int, ranges: Ranges | None) -> int:
+    """Copy `src` to `dst` (all of it, or only `ranges` into a sparse file of the same size)."""
+    tmp = dst + ".part"
+    sfd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if os.fstat(sfd).st_size != size:
+            raise FanstoreError(
+                f"partition {os.path.basename(src)} is {os.fstat(sfd).st_size} bytes, "
+                f"manifest says {size}"
+            )
+        dfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            if ranges is None:
+                ranges = [(0, size)]
+            else:
+                ranges = coalesce([(0, PARTITION_DATA_START), *ranges])
+                os.ftruncate(dfd, size)
+            copied = 0
+            for off, n in ranges:
+                _copy_range(sfd, dfd, off, n)
+                copied += n
+        finally:
+            os.close(dfd)
+    finally:
+        os.close(sfd)
+    os.replace(tmp, dst)
+    return copied
+
+
+def stage_in(
+    dest: str,
+    local_dir: str,
+    manifest: Manifest,
+    shares: dict[int, Ranges | None] | None = None,
+    workers: int = 4,
+    progress: Callable[[int], None] | None = None,
+) -> StageResult:
+    """Copy partitions into `local_dir`. `shares` maps partition -> ranges (None: whole file);
+    absent means every partition whole. Checks free space first; ENOSPC is a clear error."""
+    if shares is None:
+        shares = {p: None for p in range(len(manifest.partitions))}
+    need = sum(
+        manifest.partitions[p].size if r is None else sum(n for _, n in r) + PARTITION_DATA_START
+        for p, r in shares.items()
+    )
+    os.makedirs(local_dir, exist_ok=True)
+    vfs = os.statvfs(local_dir)
+    free = vfs.f_bavail * vfs.f_frsize
+    if need > free:
+        raise FanstoreError(
+            f"local directory {local_dir} has {free} bytes free, stage-in needs {need}"
+        )
+
+    def one(p: int) -> int:
+        info = manifest.partitions[p]
+        dst = os.path.join(local_dir, info.name)
+        try:
+            n = stage_partition(os.path.join(dest, info.name), dst, info.size, shares[p])
+        except FileNotFoundError:
+            raise FanstoreError(f"partition {info.name} missing from {dest}") from None
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise FanstoreError(f"local directory {local_dir} is full (ENOSPC)") from None
+            raise FanstoreError(f"staging {info.name}: {e.strerror}") from None
+        with open(dst, "rb") as f:
+            check_partition_header(f.read(PARTITION_DATA_START), p, manifest.dataset_id, info.name)
+        if progress:
+            progress(n)
+        return n
+
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="stage") as pool:
+        total = sum(pool.map(one, sorted(shares)))
+    try:
+        shutil.copyfile(os.path.join(dest, MANIFEST_NAME), os.path.join(local_dir, MANIFEST_NAME))
+    except OSError as e:
+        code = "ENOSPC" if e.errno == errno.ENOSPC else e.strerror
+        raise FanstoreError(f"copying the manifest to {local_dir}: {code}") from None
+    return StageResult(len(shares), total)

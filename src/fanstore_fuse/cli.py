@@ -1,0 +1,194 @@
+"""The `fanstore-fuse` command line: thin wrappers over the library modules."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+from ._errors import FanstoreError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
+err = Console(stderr=True)
+
+
+@app.callback()
+def _setup(verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
+    """fanstore-fuse: a job-scoped distributed file system for deep-learning datasets."""
+    import logging
+
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="fanstore-fuse: %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _fail(msg: str, code: int = 1) -> None:
+    err.print(f"[bold red]fanstore-fuse:[/] {msg}", highlight=False)
+    raise typer.Exit(code)
+
+
+def _progress(quiet: bool) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=err,
+        disable=quiet or not err.is_terminal,
+        transient=True,
+    )
+
+
+@app.command()
+def prep(
+    src: str = typer.Argument(..., help="source directory tree"),
+    dest: str = typer.Argument(..., help="output directory (on the shared file system)"),
+    partitions: int = typer.Option(4, "--partitions", "-p", help="number of partitions"),
+    codec: str = typer.Option("zstd", "--codec", help="zstd or none"),
+    level: int = typer.Option(3, "--level", help="zstd level"),
+    broadcast: list[str] = typer.Option([], "--broadcast", help="glob of paths copied to every node"),
+    workers: int = typer.Option(0, "--workers", "-w", help="threads (0: one per CPU)"),
+    chunk_mib: int = typer.Option(4, "--chunk-mib", help="chunk size for large files, MiB"),
+    quiet: bool = typer.Option(False, "--quiet", "-q"),
+) -> None:
+    """Pack SRC into partitions and a manifest in DEST."""
+    from ._prep import PrepOptions
+    from ._prep import prep as do_prep
+
+    opts = PrepOptions(partitions, codec, level, chunk_mib << 20, list(broadcast), workers)
+    t0 = time.perf_counter()
+    try:
+        with _progress(quiet) as prog:
+            task = prog.add_task("prep", total=None)
+
+            def tick(files: int, nbytes: int) -> None:
+                prog.update(task, completed=nbytes, description=f"prep {files} files")
+
+            res = do_prep(src, dest, opts, progress=tick)
+    except (FanstoreError, OSError) as e:
+        _fail(str(e))
+    dt = time.perf_counter() - t0
+    ratio = res.raw_bytes / res.stored_bytes if res.stored_bytes else 1.0
+    if not quiet:
+        err.print(
+            f"prepped {res.files} files, {res.dirs} dirs, {res.symlinks} symlinks "
+            f"({res.skipped} special files skipped): {res.raw_bytes} bytes -> "
+            f"{res.stored_bytes} stored ({ratio:.2f}x) in {len(res.manifest.partitions)} "
+            f"partitions, {dt:.2f} s",
+            highlight=False,
+        )
+
+
+@app.command()
+def verify(
+    dest: str = typer.Argument(..., help="a prepped directory"),
+    workers: int = typer.Option(0, "--workers", "-w"),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Check the manifest and every blob's checksum; exit 1 on any damage."""
+    from ._verify import verify as do_verify
+
+    try:
+        rep = do_verify(dest, workers=workers)
+    except (FanstoreError, OSError) as e:
+        _fail(f"manifest: {e}")
+    if json_out:
+        print(json.dumps({"ok": rep.ok, "entries": rep.entries, "blobs": rep.blobs,
+                          "bytes": rep.bytes, "problems": rep.problems}))
+    else:
+        for p in rep.problems:
+            err.print(f"[red]damaged:[/] {p}", highlight=False)
+        state = "OK" if rep.ok else f"{len(rep.problems)} problem(s)"
+        print(f"{dest}: {rep.entries} entries, {rep.blobs} blobs, {rep.bytes} bytes: {state}")
+    if not rep.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def mount(
+    dest: str = typer.Argument(..., help="a prepped directory"),
+    mountpoint: str = typer.Argument(..., help="where to mount; may contain {rank}"),
+    local: str | None = typer.Option(None, "--local", help="node-local dir; may contain {rank}"),
+    foreground: bool = typer.Option(False, "--foreground", "-f"),
+    option: list[str] = typer.Option([], "-o", help="FUSE mount option (repeatable)"),
+    debug: bool = typer.Option(False, "--debug"),
+    ready_fd: int | None = typer.Option(None, "--ready-fd", hidden=True),
+    timeout: float = typer.Option(600.0, "--timeout", help="seconds to wait for readiness"),
+) -> None:
+    """Stage DEST into node-local storage and mount it at MOUNTPOINT."""
+    from ._daemon import MountConfig, serve, setup_logging
+
+    if not foreground:
+        from ._launch import start_background
+        from ._mountctl import check_mountpoint
+
+        argv = ["mount", dest, mountpoint, "--foreground"]
+        if local:
+            argv += ["--local", local]
+        for o in option:
+            argv += ["-o", o]
+        if debug:
+            argv.append("--debug")
+        try:
+            check_mountpoint(mountpoint, allow_nonempty="nonempty" in ",".join(option))
+            pid = start_background(argv, os.path.abspath(mountpoint), timeout)
+        except FanstoreError as e:
+            _fail(str(e))
+        err.print(f"mounted {dest} at {mountpoint} (daemon pid {pid})", highlight=False)
+        return
+    setup_logging(debug)
+    cfg = MountConfig(dest, mountpoint, local, list(option), ready_fd, debug)
+    raise typer.Exit(serve(cfg))
+
+
+@app.command()
+def umount(
+    mountpoint: str = typer.Argument(..., help="a mountpoint (or the {rank} template)"),
+    timeout: float = typer.Option(15.0, "--timeout", help="seconds before SIGKILL"),
+) -> None:
+    """Unmount, stop the daemon(s) and remove the node-local copies."""
+    from ._mountctl import umount as do_umount
+
+    try:
+        res = do_umount(mountpoint, timeout)
+    except FanstoreError as e:
+        _fail(str(e))
+    what = "cleaned stale mount" if res.stale else "unmounted"
+    err.print(f"{what}: {', '.join(res.mountpoints)}", highlight=False)
+
+
+@app.command()
+def status(
+    mountpoint: str = typer.Argument(...),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Counters from the running daemon(s) of a mount."""
+    try:
+        raw = os.getxattr(mountpoint, "user.fanstore.status")
+    except OSError as e:
+        _fail(f"{mountpoint}: no status ({e.strerror})")
+    data = json.loads(raw)
+    if json_out:
+        print(json.dumps(data, indent=2))
+        return
+    json.dump(data, sys.stdout, indent=2)
+    print()
+
+
+def main() -> None:  # pragma: no cover
+    app(prog_name="fanstore-fuse")
