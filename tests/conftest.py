@@ -1,0 +1,68 @@
+"""Shared fixtures. Mounting tests use `mount_factory` (see tests/_harness.py) and carry
+`@pytest.mark.mount` plus a `@pytest.mark.timeout`; nothing may stay mounted after a test, and
+a session finalizer checks that no FUSE mount is left under pytest's temporary directories."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _harness  # noqa: E402
+
+HAVE_FUSE = Path("/dev/fuse").exists() and shutil.which("fusermount3") is not None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAVE_FUSE:
+        return
+    skip = pytest.mark.skip(reason="no /dev/fuse or fusermount3 on this machine")
+    for item in items:
+        if "mount" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_mount_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    base = tmp_path_factory.getbasetemp()
+    yield
+    left = _harness.fuse_mounts_under(base)
+    for mp in left:  # clean up first so the machine stays usable, then fail loudly
+        _harness.backstop_cleanup([mp], None)
+    assert not left, f"FUSE mounts left behind under {base}: {left}"
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An isolated FANSTORE_STATE_DIR for this test (inherited by CLI subprocesses)."""
+    d = tmp_path / "state"
+    d.mkdir()
+    monkeypatch.setenv("FANSTORE_STATE_DIR", str(d))
+    return d
+
+
+@pytest.fixture
+def mount_factory(state_dir: Path, tmp_path: Path):
+    """`mount_factory(dest, mountpoint=None, **kw)` -> a `_harness.Mount`, unmounted (and
+    force-cleaned if need be) at teardown. kw: local, ranks, extra_args, env, timeout."""
+    with contextlib.ExitStack() as stack:
+        counter = iter(range(1_000_000))
+
+        def factory(dest, mountpoint=None, **kw) -> _harness.Mount:
+            if mountpoint is None:
+                mountpoint = tmp_path / f"mnt{next(counter)}"
+            return stack.enter_context(_harness.mounted(dest, mountpoint, state_dir, **kw))
+
+        yield factory
+
+
+@pytest.fixture
+def src_tree(tmp_path: Path) -> Path:
+    """A varied source tree (see `_harness.build_tree`), chunk size 1 MiB in mind."""
+    return _harness.build_tree(tmp_path / "src")
