@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 from dataclasses import dataclass, field
 
@@ -26,6 +27,8 @@ from ._mountctl import (
 )
 from ._namespace import Namespace
 from ._node import LocalBlobSource, Node, Stats
+from ._ring import Placement
+from ._stage import stage_in
 
 log = logging.getLogger("fanstore_fuse.daemon")
 
@@ -33,12 +36,17 @@ log = logging.getLogger("fanstore_fuse.daemon")
 @dataclass
 class MountConfig:
     dest: str
-    mountpoint: str
-    local_dir: str | None = None
+    mountpoint: str  # may contain {rank}
+    local_dir: str | None = None  # may contain {rank}
     fuse_options: list[str] = field(default_factory=list)
     ready_fd: int | None = None
+    ready_file: str | None = None
     debug: bool = False
     max_tasks: int = 64
+    mpi: bool = False
+    replicas: int = 1
+    warm_metadata: bool = True
+    peer_timeout: float = 10.0
 
 
 def fuse_options(cfg: MountConfig) -> set[str]:
@@ -54,6 +62,10 @@ def fuse_options(cfg: MountConfig) -> set[str]:
     return opts
 
 
+def for_rank(template: str, rank: int) -> str:
+    return os.path.abspath(template.replace("{rank}", str(rank)))
+
+
 def notify(fd: int | None, message: str) -> None:
     """Tell the launching `mount` process how the start went (one line on a pipe)."""
     if fd is None:
@@ -63,7 +75,90 @@ def notify(fd: int | None, message: str) -> None:
         os.close(fd)
 
 
-async def _serve(node: Node, max_tasks: int) -> None:
+def write_ready_file(path: str | None, message: str) -> None:
+    if path:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(message.replace("\n", " ") + "\n")
+        os.replace(tmp, path)
+
+
+@dataclass
+class _Mounted:
+    """What one rank set up, so that it can be torn down in reverse."""
+
+    mountpoint: str
+    local: str | None = None
+    store: BlobStore | None = None
+    source_store: BlobStore | None = None
+    mounted: bool = False
+    created_mountpoint: bool = False
+    node: Node | None = None
+    held: dict[str, int] = field(default_factory=dict)
+
+    def teardown(self) -> None:
+        if self.mounted:
+            with contextlib.suppress(Exception):
+                pyfuse3.close(unmount=True)
+            self.mounted = False
+        for s in (self.store, self.source_store):
+            if s is not None:
+                s.close()
+        if self.local:
+            remove_local_dir(self.local)
+        if self.created_mountpoint:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.mountpoint)
+
+
+def _setup(cfg: MountConfig, rank: int, nranks: int, m: _Mounted) -> Placement:
+    """Check, stage in this rank's share, build the node and mount. Raises FanstoreError."""
+    mp = m.mountpoint
+    if "{rank}" in cfg.mountpoint and not os.path.exists(mp):
+        os.makedirs(mp, exist_ok=True)
+        m.created_mountpoint = True
+    check_mountpoint(mp, allow_nonempty="nonempty" in ",".join(cfg.fuse_options))
+    manifest = read_manifest(os.path.join(cfg.dest, MANIFEST_NAME))
+    parts = manifest.partitions
+    bpart = manifest.blobs["part"]
+    placement = Placement(
+        nranks, cfg.replicas, is_broadcast=lambda b: parts[bpart[b]].broadcast
+    )
+    local_t = cfg.local_dir or (default_local_dir(cfg.mountpoint) + ("/{rank}" if nranks > 1 else ""))
+    m.local = prepare_local_dir(for_rank(local_t, rank))
+    if nranks == 1:
+        shares = None
+        held = list(range(manifest.n_blobs))
+    else:
+        held = placement.blobs_for_rank(rank, manifest.n_blobs)
+        shares = {p: (None if info.broadcast else []) for p, info in enumerate(parts)}
+        off, stored = manifest.blobs["offset"], manifest.blobs["stored"]
+        for b in held:
+            r = shares[bpart[b]]
+            if r is not None:
+                r.append((off[b], stored[b]))
+        shares = {p: r for p, r in shares.items() if r is None or r}
+    res = stage_in(cfg.dest, m.local, manifest, shares)
+    m.held = {
+        "blobs_held": len(held),
+        "bytes_held": sum(manifest.blobs["raw"][b] for b in held),
+        "staged_bytes": res.bytes,
+    }
+    log.info("rank %d staged %d partitions, %d bytes into %s", rank, res.partitions, res.bytes, m.local)
+    m.store = BlobStore(manifest, m.local)
+    return placement
+
+
+def _mount(cfg: MountConfig, m: _Mounted) -> None:
+    assert m.node is not None
+    opts = fuse_options(cfg)
+    if cfg.debug:
+        opts.add("debug")
+    pyfuse3.init(Operations(m.node), m.mountpoint, opts)
+    m.mounted = True
+
+
+async def _serve(node: Node, max_tasks: int, transport=None, warm=None) -> None:
     async with trio.open_nursery() as nursery:
         node.attach(nursery)
 
@@ -75,69 +170,114 @@ async def _serve(node: Node, max_tasks: int) -> None:
                     return
 
         nursery.start_soon(on_signal)
+        if transport is not None:
+            nursery.start_soon(transport.run)
+        if warm is not None:
+            nursery.start_soon(warm)
         await pyfuse3.main(min_tasks=1, max_tasks=max_tasks)
         nursery.cancel_scope.cancel()
 
 
 def serve(cfg: MountConfig) -> int:
-    """Run a single-node mount in this process until unmounted or signalled."""
-    mp = os.path.abspath(cfg.mountpoint)
-    local = None
-    mounted = False
-    state = None
-    store = None
-    try:
-        check_mountpoint(mp, allow_nonempty="nonempty" in ",".join(cfg.fuse_options))
-        manifest = read_manifest(os.path.join(cfg.dest, MANIFEST_NAME))
-        local = prepare_local_dir(cfg.local_dir or default_local_dir(mp))
-        from ._stage import stage_in
+    """Run one rank's daemon in this process until unmounted or signalled."""
+    if cfg.mpi:
+        from mpi4py import rc
 
-        res = stage_in(cfg.dest, local, manifest)
-        log.info("staged %d partitions, %d bytes into %s", res.partitions, res.bytes, local)
-        ns = Namespace(manifest)
+        rc.thread_level = "multiple"
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        comm.Set_errhandler(MPI.ERRORS_RETURN)
+        rank, nranks = comm.Get_rank(), comm.Get_size()
+    else:
+        comm, rank, nranks = None, 0, 1
+    m = _Mounted(for_rank(cfg.mountpoint, rank))
+    error = ""
+    transport = None
+    warm = None
+    try:
+        placement = _setup(cfg, rank, nranks, m)
+        assert m.store is not None
         stats = Stats()
-        store = BlobStore(manifest, local)
-        node = Node(ns, LocalBlobSource(store, stats), stats)
-        ops = Operations(node)
-        opts = fuse_options(cfg)
-        if cfg.debug:
-            opts.add("debug")
-        pyfuse3.init(ops, mp, opts)
-        mounted = True
-        state = MountState(
-            key=mount_key(mp), template=mp, dest=os.path.abspath(cfg.dest), mountpoints=[mp],
-            local_dirs=[local], pids=[os.getpid()],
-        )
-        state.save()
+        local_src = LocalBlobSource(m.store, stats)
+        if comm is None:
+            m.node = Node(Namespace(m.store.m), local_src, stats)
+        else:
+            from ._cluster import (
+                ClusterBlobSource,
+                ClusterMetadata,
+                make_gather_status,
+                serve_handlers,
+            )
+            from ._messages import HandlerTable
+            from ._transport import MpiTransport
+
+            ns = Namespace(m.store.m)
+            transport = MpiTransport(comm, HandlerTable())
+            m.source_store = BlobStore(m.store.m, cfg.dest)
+            source = ClusterBlobSource(
+                rank, placement, local_src, m.source_store, transport, stats, cfg.peer_timeout
+            )
+            meta = ClusterMetadata(rank, ns, placement, transport, stats, cfg.peer_timeout)
+            m.node = Node(ns, source, stats, meta=meta)
+            transport.handlers = serve_handlers(
+                rank, m.node, placement, m.store, transport, local_src.threshold
+            )
+            m.node.gather_status = make_gather_status(rank, nranks, m.node, transport, 5.0)
+            if cfg.warm_metadata:
+                async def warm() -> None:
+                    n = await meta.warm(nranks)
+                    log.info("rank %d warmed %d metadata records", rank, n)
+        m.node.held = m.held
+        _mount(cfg, m)
     except FanstoreError as e:
-        log.error("%s", e)
-        notify(cfg.ready_fd, f"error: {e}")
-        if mounted:
-            pyfuse3.close(unmount=True)
-        if local:
-            remove_local_dir(local)
-        return 1
+        error = str(e)
     except Exception as e:
         log.exception("mount failed")
-        notify(cfg.ready_fd, f"error: {type(e).__name__}: {e}")
-        if mounted:
-            pyfuse3.close(unmount=True)
-        if local:
-            remove_local_dir(local)
+        error = f"{type(e).__name__}: {e}"
+    if error:
+        log.error("rank %d: %s", rank, error)
+    # Every rank reports; rank 0 decides for all (a failure anywhere unmounts everywhere).
+    me = {"rank": rank, "error": error, "pid": os.getpid(), "mountpoint": m.mountpoint,
+          "local": m.local or "", "host": socket.gethostname()}
+    infos = comm.allgather(me) if comm is not None else [me]
+    errors = [f"rank {i['rank']}: {i['error']}" for i in infos if i["error"]]
+    if errors:
+        m.teardown()
+        msg = "error: " + "; ".join(errors)
+        if rank == 0:
+            write_ready_file(cfg.ready_file, msg)
+        notify(cfg.ready_fd, msg if nranks > 1 else f"error: {error}")
         return 1
+    here = [i for i in infos if i["host"] == me["host"]]
+    group = MountState(
+        key=mount_key(cfg.mountpoint), template=os.path.abspath(cfg.mountpoint),
+        dest=os.path.abspath(cfg.dest), mountpoints=[i["mountpoint"] for i in here],
+        local_dirs=[i["local"] for i in here], pids=[i["pid"] for i in here], ranks=nranks,
+    )
+    own = MountState(
+        key=mount_key(m.mountpoint), template=os.path.abspath(cfg.mountpoint),
+        dest=group.dest, mountpoints=[m.mountpoint], local_dirs=[m.local or ""],
+        pids=[os.getpid()], ranks=nranks,
+    )
+    if own.key != group.key:
+        own.save()
+    if rank == 0 or here[0]["rank"] == rank:
+        group.save()
+    if rank == 0:
+        write_ready_file(cfg.ready_file, "ready")
     notify(cfg.ready_fd, "ready")
     code = 0
     try:
-        trio.run(_serve, node, cfg.max_tasks)
+        trio.run(_serve, m.node, cfg.max_tasks, transport, warm)
     except BaseException:
         log.exception("daemon stopped on an error")
         code = 1
     finally:
-        with contextlib.suppress(Exception):
-            pyfuse3.close(unmount=True)
-        store.close()
-        remove_local_dir(local)
-        state.remove()
+        m.teardown()
+        own.remove()
+        if rank == 0:
+            group.remove()
         logging.shutdown()
     return code
 

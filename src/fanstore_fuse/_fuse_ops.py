@@ -180,7 +180,7 @@ class Operations(pyfuse3.Operations):
         if inode == pyfuse3.ROOT_INODE and name == XATTR_PREFIX + b"status":
             if not self._control_allowed(ctx):
                 raise pyfuse3.FUSEError(errno.EACCES)
-            return json.dumps(self.node.status()).encode()
+            return json.dumps(await self.node.status()).encode()
         value = self._xattrs(inode - 1).get(name)
         if value is None:
             raise pyfuse3.FUSEError(errno.ENODATA)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -10,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from ._errors import FanstoreError
-from ._mountctl import mount_key, state_dir
+from ._mountctl import MountState, find_state, mount_key, state_dir
 
 
 def log_path(mountpoint: str) -> str:
@@ -69,3 +72,64 @@ def _tail(path: str) -> str:
         return lines[-1] if lines else "(no log)"
     except OSError:
         return "(no log)"
+
+
+def launcher_command(ranks: int | None) -> list[str]:
+    """`mpiexec -n N` from the mpich wheel for local ranks; `srun` inside a SLURM job."""
+    if ranks is None and os.environ.get("SLURM_JOB_ID"):
+        nodes = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or "1"
+        return ["srun", "--overlap", "--ntasks-per-node=1", f"--nodes={nodes}", f"--ntasks={nodes}"]
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        mpiexec = shutil.which("mpiexec") or "mpiexec"
+    # Without auto-cleanup, one rank dying does not take the others down: they keep serving
+    # from replicas and the source.
+    return [mpiexec, "-n", str(ranks or 1), "-disable-auto-cleanup"]
+
+
+def start_ranks(argv: list[str], template: str, ranks: int | None, timeout: float) -> MountState:
+    """Start every rank in the background; return once all ranks' mounts answer."""
+    key = mount_key(template)
+    ready = os.path.join(state_dir(), f"{key}.ready")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(ready)
+    logp = log_path(template)
+    cmd = [*launcher_command(ranks), sys.executable, "-m", "fanstore_fuse", *argv,
+           "--mpi", "--ready-file", ready]
+    with open(logp, "ab") as logf:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                                start_new_session=True, close_fds=True)
+    deadline = time.monotonic() + timeout
+    line = ""
+    while time.monotonic() < deadline:
+        if os.path.exists(ready):
+            with open(ready) as f:
+                line = f.read().strip()
+            if line:
+                break
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(ready)
+    if line != "ready":
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        if not line:
+            why = "timed out" if proc.returncode is None else f"exited with code {proc.returncode}"
+            raise FanstoreError(f"ranks {why} before the mount was ready: {_tail(logp)}")
+        raise FanstoreError(line.removeprefix("error: "))
+    st = find_state(template)
+    if st is None:
+        raise FanstoreError("ranks reported ready but left no state file")
+    st.launcher_pid = proc.pid
+    st.log = logp
+    st.save()
+    for mp in st.mountpoints:
+        wait_answers(mp, max(5.0, deadline - time.monotonic()))
+    return st

@@ -155,6 +155,10 @@ def remove_local_dir(path: str) -> None:
     """Remove a local copy, only if it carries our marker."""
     if os.path.isdir(path) and os.path.exists(os.path.join(path, LOCAL_MARKER)):
         shutil.rmtree(path, ignore_errors=True)
+        parent = os.path.dirname(path)
+        if os.path.basename(parent).startswith("local-"):  # the default per-mount parent
+            with contextlib.suppress(OSError):
+                os.rmdir(parent)
 
 
 def pid_alive(pid: int) -> bool:

@@ -127,28 +127,11 @@ class BlobCache:
             self._bytes -= len(old)
 
 
-class Node:
-    def __init__(
-        self,
-        ns: Namespace,
-        source: BlobSource,
-        stats: Stats | None = None,
-        cache_bytes: int = CACHE_BYTES,
-        readahead: int = 2,
-    ):
+class LocalMetadata:
+    """Metadata answered from this node's namespace (one node, or paths this rank owns)."""
+
+    def __init__(self, ns: Namespace):
         self.ns = ns
-        self.stats = stats or Stats()
-        self.source = source
-        self.cache = BlobCache(source.fetch, self.stats, cache_bytes)
-        self.chunk = int(ns.m.options.get("chunk_size", 4 << 20))
-        self.readahead = readahead
-        self._nursery: trio.Nursery | None = None
-
-    def attach(self, nursery: trio.Nursery) -> None:
-        """Give the node a nursery for background read-ahead."""
-        self._nursery = nursery
-
-    # ------------------------------------------------------------ metadata
 
     async def record(self, index: int) -> Record:
         return self.ns.record(index)
@@ -160,6 +143,43 @@ class Node:
         kids = self.ns.children(index)[start : start + limit]
         return [self.ns.record(j) for j in kids]
 
+
+class Node:
+    def __init__(
+        self,
+        ns: Namespace,
+        source: BlobSource,
+        stats: Stats | None = None,
+        cache_bytes: int = CACHE_BYTES,
+        readahead: int = 2,
+        meta: LocalMetadata | None = None,
+    ):
+        self.ns = ns
+        self.meta = meta or LocalMetadata(ns)
+        self.stats = stats or Stats()
+        self.source = source
+        self.cache = BlobCache(source.fetch, self.stats, cache_bytes)
+        self.chunk = int(ns.m.options.get("chunk_size", 4 << 20))
+        self.readahead = readahead
+        self._nursery: trio.Nursery | None = None
+        self.held: dict[str, int] = {}
+        self.gather_status: Callable[[], Awaitable[dict[str, object]]] | None = None
+
+    def attach(self, nursery: trio.Nursery) -> None:
+        """Give the node a nursery for background read-ahead."""
+        self._nursery = nursery
+
+    # ------------------------------------------------------------ metadata
+
+    async def record(self, index: int) -> Record:
+        return await self.meta.record(index)
+
+    async def lookup(self, parent: int, name: bytes) -> Record:
+        return await self.meta.lookup(parent, name)
+
+    async def listdir(self, index: int, start: int, limit: int) -> list[Record]:
+        return await self.meta.listdir(index, start, limit)
+
     async def readlink(self, index: int) -> bytes:
         return self.ns.readlink(index)
 
@@ -169,7 +189,7 @@ class Node:
     # ------------------------------------------------------------ data
 
     async def read(self, index: int, off: int, size: int) -> bytes:
-        rec = self.ns.record(index)
+        rec = await self.meta.record(index)
         if off >= rec.size or size <= 0:
             return b""
         end = min(rec.size, off + size)
@@ -199,5 +219,11 @@ class Node:
         except FanstoreError as e:
             log.warning("read-ahead of %s failed: %s", blob, e)
 
-    def status(self) -> dict[str, object]:
-        return {"stats": self.stats.as_dict(), "entries": len(self.ns)}
+    def local_status(self) -> dict[str, object]:
+        return {"stats": self.stats.as_dict(), "entries": len(self.ns), **self.held}
+
+    async def status(self) -> dict[str, object]:
+        """This node's counters; a cluster node overrides `gather_status` to add its peers'."""
+        if self.gather_status is not None:
+            return await self.gather_status()
+        return {"ranks": [{"rank": 0, **self.local_status()}]}

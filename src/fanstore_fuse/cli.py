@@ -129,10 +129,45 @@ def mount(
     debug: bool = typer.Option(False, "--debug"),
     ready_fd: int | None = typer.Option(None, "--ready-fd", hidden=True),
     timeout: float = typer.Option(600.0, "--timeout", help="seconds to wait for readiness"),
+    ranks: int | None = typer.Option(
+        None, "--ranks", "-n", help="local MPI ranks standing in for nodes (mpiexec)"
+    ),
+    replicas: int = typer.Option(1, "--replicas", "-r", help="copies of each blob on distinct ranks"),
+    warm_metadata: bool = typer.Option(
+        True, "--warm-metadata/--no-warm-metadata", help="pull all metadata from owners at mount"
+    ),
+    peer_timeout: float = typer.Option(10.0, "--peer-timeout", help="seconds before trying another copy"),
+    mpi: bool = typer.Option(False, "--mpi", hidden=True),
+    ready_file: str | None = typer.Option(None, "--ready-file", hidden=True),
 ) -> None:
-    """Stage DEST into node-local storage and mount it at MOUNTPOINT."""
+    """Stage DEST into node-local storage and mount it at MOUNTPOINT.
+
+    With --ranks N (or inside a SLURM job) one daemon per rank is started with mpiexec (srun);
+    MOUNTPOINT and --local may then contain {rank}.
+    """
     from ._daemon import MountConfig, serve, setup_logging
 
+    multi = not mpi and (ranks is not None or bool(os.environ.get("SLURM_JOB_ID")))
+    if multi:
+        from ._launch import start_ranks
+
+        argv = ["mount", dest, mountpoint, "--foreground", "--replicas", str(replicas),
+                "--peer-timeout", str(peer_timeout)]
+        argv.append("--warm-metadata" if warm_metadata else "--no-warm-metadata")
+        if local:
+            argv += ["--local", local]
+        for o in option:
+            argv += ["-o", o]
+        if debug:
+            argv.append("--debug")
+        if ranks is not None and ranks > 1 and "{rank}" not in mountpoint:
+            _fail("with --ranks > 1 the MOUNTPOINT must contain {rank}")
+        try:
+            st = start_ranks(argv, mountpoint, ranks, timeout)
+        except FanstoreError as e:
+            _fail(str(e))
+        err.print(f"mounted {dest} on {st.ranks} rank(s): {', '.join(st.mountpoints)}", highlight=False)
+        return
     if not foreground:
         from ._launch import start_background
         from ._mountctl import check_mountpoint
@@ -152,7 +187,10 @@ def mount(
         err.print(f"mounted {dest} at {mountpoint} (daemon pid {pid})", highlight=False)
         return
     setup_logging(debug)
-    cfg = MountConfig(dest, mountpoint, local, list(option), ready_fd, debug)
+    cfg = MountConfig(
+        dest, mountpoint, local, list(option), ready_fd, ready_file, debug, mpi=mpi,
+        replicas=replicas, warm_metadata=warm_metadata, peer_timeout=peer_timeout,
+    )
     raise typer.Exit(serve(cfg))
 
 

@@ -1,0 +1,299 @@
+"""The multi-rank node: blobs and metadata that live on other ranks, fetched over MPI.
+
+`ClusterBlobSource` reads a blob locally when this rank holds it, else asks its holders (the
+still-compressed stored bytes travel; this rank verifies and decodes), then falls back to the
+source partition on the shared DEST, and only then fails with EIO. `ClusterMetadata` answers
+lookup/getattr/readdir of paths owned by other ranks by asking the owner, caching the answers
+(the dataset is immutable). `serve_handlers` fills the handler table a rank serves.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import trio
+
+from ._blobstore import BlobStore
+from ._errors import ChecksumError, FanstoreError, NotFound, PeerError
+from ._messages import (
+    OP_FETCH_BLOB,
+    OP_LISTDIR,
+    OP_LOOKUP,
+    OP_PING,
+    OP_RECORDS,
+    OP_STATUS,
+    Frame,
+    HandlerTable,
+    pack,
+    unpack,
+)
+from ._namespace import Namespace, Record
+from ._node import LocalBlobSource, Node, Stats
+from ._ring import Placement
+from ._transport import MpiTransport, RemoteError
+
+log = logging.getLogger("fanstore_fuse.cluster")
+
+PEER_TIMEOUT = 10.0  # seconds before a silent holder is skipped for the next replica
+SUSPECT_SECONDS = 30.0  # a peer that timed out is tried last for this long
+
+
+def _rec_to_wire(r: Record) -> list[object]:
+    return [r.index, r.name, r.kind, r.mode, r.uid, r.gid, r.mtime_ns, r.size, r.first, r.count, r.nlink]
+
+
+def _rec_from_wire(w: list[object]) -> Record:
+    if not isinstance(w, list) or len(w) != 11:
+        raise PeerError("malformed record in a peer's reply")
+    return Record(*w)  # type: ignore[arg-type]
+
+
+class _Peers:
+    """Remembers peers that recently timed out so healthy replicas are tried first."""
+
+    def __init__(self) -> None:
+        self._suspect: dict[int, float] = {}
+
+    def order(self, ranks: list[int]) -> list[int]:
+        now = time.monotonic()
+        return sorted(ranks, key=lambda r: self._suspect.get(r, 0.0) > now)
+
+    def suspect(self, rank: int) -> None:
+        self._suspect[rank] = time.monotonic() + SUSPECT_SECONDS
+
+
+class ClusterBlobSource:
+    def __init__(
+        self,
+        rank: int,
+        placement: Placement,
+        local: LocalBlobSource,
+        source_store: BlobStore | None,
+        transport: MpiTransport,
+        stats: Stats,
+        timeout: float = PEER_TIMEOUT,
+    ):
+        self.rank = rank
+        self.placement = placement
+        self.local = local
+        self.store = local.store
+        self.source_store = source_store
+        self.transport = transport
+        self.stats = stats
+        self.timeout = timeout
+        self.peers = _Peers()
+
+    async def _decode(self, blob: int, stored: bytes) -> bytes:
+        if len(stored) >= self.local.threshold:
+            return await trio.to_thread.run_sync(self.store.decode, blob, stored)
+        return self.store.decode(blob, stored)
+
+    async def fetch(self, blob: int) -> bytes:
+        holders = self.placement.locate_data(blob)
+        if self.rank in holders:
+            try:
+                return await self.local.fetch(blob)
+            except ChecksumError as e:
+                self.stats.errors += 1
+                log.error("local copy bad, trying replicas: %s", e)
+        others = [h for h in holders if h != self.rank]
+        if len(others) > 1:  # spread readers of a replicated blob over its holders
+            k = (blob + self.rank) % len(others)
+            others = others[k:] + others[:k]
+        for h in self.peers.order(others):
+            try:
+                resp = await self.transport.request(h, Frame(OP_FETCH_BLOB, 0, blob), self.timeout)
+                data = await self._decode(blob, resp.body)
+            except PeerError as e:
+                self.peers.suspect(h)
+                self.stats.errors += 1
+                log.error("blob %d: %s; trying the next copy", blob, e)
+                continue
+            except FanstoreError as e:
+                self.stats.errors += 1
+                log.error("blob %d from rank %d: %s; trying the next copy", blob, h, e)
+                continue
+            self.stats.remote_reads += 1
+            self.stats.remote_bytes += len(resp.body)
+            return data
+        if self.source_store is not None:
+            log.warning("blob %d: no holder answered; reading the source partition", blob)
+            data = await trio.to_thread.run_sync(self.source_store.raw, blob)
+            self.stats.extra["source_reads"] = self.stats.extra.get("source_reads", 0) + 1
+            return data
+        raise ChecksumError(f"blob {blob}: no good copy on ranks {holders}")
+
+
+class ClusterMetadata:
+    """Attributes of paths owned by other ranks come from their owner, then stay cached."""
+
+    def __init__(
+        self, rank: int, ns: Namespace, placement: Placement, transport: MpiTransport, stats: Stats,
+        timeout: float = PEER_TIMEOUT,
+    ):
+        self.rank = rank
+        self.ns = ns
+        self.placement = placement
+        self.transport = transport
+        self.stats = stats
+        self.timeout = timeout
+        self.cache: dict[int, Record] = {}
+        self.listings: dict[int, list[Record]] = {}
+
+    def owner(self, index: int) -> int:
+        return self.placement.locate_metadata(self.ns.path(index))
+
+    async def _ask(self, owner: int, frame: Frame) -> object:
+        self.stats.extra["meta_remote"] = self.stats.extra.get("meta_remote", 0) + 1
+        resp = await self.transport.request(owner, frame, self.timeout)
+        return unpack(resp.body)
+
+    async def record(self, index: int) -> Record:
+        r = self.cache.get(index)
+        if r is not None:
+            return r
+        owner = self.owner(index)
+        if owner == self.rank:
+            return self.ns.record(index)
+        try:
+            r = _rec_from_wire(await self._ask(owner, Frame(OP_LOOKUP, 0, body=pack(self.ns.path(index)))))
+        except PeerError as e:
+            log.warning("metadata owner unavailable, using the manifest copy: %s", e)
+            r = self.ns.record(index)
+        self.cache[index] = r
+        return r
+
+    async def lookup(self, parent: int, name: bytes) -> Record:
+        return await self.record(self.ns.lookup(parent, name))
+
+    async def listdir(self, index: int, start: int, limit: int) -> list[Record]:
+        owner = self.owner(index)
+        if owner == self.rank:
+            kids = self.ns.children(index)[start : start + limit]
+            return [self.ns.record(j) for j in kids]
+        arg = (start << 32) | limit
+        try:
+            wire = await self._ask(owner, Frame(OP_LISTDIR, 0, arg, pack(self.ns.path(index))))
+            if not isinstance(wire, list):
+                raise PeerError("malformed listing")
+            recs = [_rec_from_wire(w) for w in wire]
+        except PeerError as e:
+            log.warning("directory owner unavailable, using the manifest copy: %s", e)
+            recs = [self.ns.record(j) for j in self.ns.children(index)[start : start + limit]]
+        return recs
+
+    async def warm(self, nranks: int) -> int:
+        """Pull every record from its owner in bulk (one request per owner)."""
+        by_owner: dict[int, list[int]] = {}
+        for i in range(len(self.ns)):
+            o = self.owner(i)
+            if o != self.rank:
+                by_owner.setdefault(o, []).append(i)
+
+        async def pull(o: int, idx: list[int]) -> None:
+            for k in range(0, len(idx), 20000):
+                part = idx[k : k + 20000]
+                try:
+                    wire = await self._ask(o, Frame(OP_RECORDS, 0, body=pack(part)))
+                except PeerError as e:
+                    log.warning("warm-up from rank %d failed: %s", o, e)
+                    return
+                if isinstance(wire, list):
+                    for w in wire:
+                        r = _rec_from_wire(w)
+                        self.cache[r.index] = r
+
+        async with trio.open_nursery() as n:
+            for o, idx in by_owner.items():
+                n.start_soon(pull, o, idx)
+        return len(self.cache)
+
+
+def serve_handlers(
+    rank: int, node: Node, placement: Placement, store: BlobStore, transport: MpiTransport,
+    threshold: int,
+) -> HandlerTable:
+    ns = node.ns
+    table = HandlerTable()
+
+    def owned_index(body: bytes) -> int:
+        path = unpack(body)
+        if not isinstance(path, bytes):
+            raise PeerError("path must be bytes")
+        if placement.locate_metadata(path) != rank:
+            raise NotFound(f"rank {rank} does not own {path!r}")
+        return ns.resolve(path)
+
+    async def ping(src: int, req: Frame) -> Frame:
+        return Frame(req.op, req.req_id, rank)
+
+    async def fetch_blob(src: int, req: Frame) -> Frame:
+        blob = req.arg
+        if blob >= ns.m.n_blobs or not placement.holds(rank, blob):
+            raise NotFound(f"rank {rank} does not hold blob {blob}")
+        if store.stored_size(blob) >= threshold:
+            data = await trio.to_thread.run_sync(store.stored, blob)
+        else:
+            data = store.stored(blob)
+        node.stats.extra["served_blobs"] = node.stats.extra.get("served_blobs", 0) + 1
+        return Frame(req.op, req.req_id, blob, data)
+
+    async def lookup(src: int, req: Frame) -> Frame:
+        return Frame(req.op, req.req_id, body=pack(_rec_to_wire(ns.record(owned_index(req.body)))))
+
+    async def listdir(src: int, req: Frame) -> Frame:
+        i = owned_index(req.body)
+        start, limit = req.arg >> 32, min(req.arg & 0xFFFFFFFF, 4096)
+        kids = ns.children(i)[start : start + limit]
+        return Frame(req.op, req.req_id, body=pack([_rec_to_wire(ns.record(j)) for j in kids]))
+
+    async def records(src: int, req: Frame) -> Frame:
+        idx = unpack(req.body)
+        if not isinstance(idx, list) or len(idx) > 100000:
+            raise PeerError("bad record list")
+        n = len(ns)
+        out = [_rec_to_wire(ns.record(i)) for i in idx if isinstance(i, int) and 0 <= i < n]
+        return Frame(req.op, req.req_id, body=pack(out))
+
+    async def status(src: int, req: Frame) -> Frame:
+        return Frame(req.op, req.req_id, body=pack(local_status(rank, node, transport)))
+
+    for op, h in (
+        (OP_PING, ping), (OP_FETCH_BLOB, fetch_blob), (OP_LOOKUP, lookup),
+        (OP_LISTDIR, listdir), (OP_RECORDS, records), (OP_STATUS, status),
+    ):
+        table.register(op, h)
+    return table
+
+
+def local_status(rank: int, node: Node, transport: MpiTransport) -> dict[str, object]:
+    d = node.local_status()
+    d["rank"] = rank
+    d["mpi_bytes_sent"] = transport.bytes_sent
+    d["mpi_bytes_received"] = transport.bytes_received
+    d["requests_in_flight"] = transport.requests_in_flight
+    d["requests_served"] = transport.served
+    return d
+
+
+def make_gather_status(rank: int, nranks: int, node: Node, transport: MpiTransport, timeout: float):
+    async def gather() -> dict[str, object]:
+        out: list[dict[str, object]] = [{}] * nranks
+
+        async def one(r: int) -> None:
+            if r == rank:
+                out[r] = local_status(rank, node, transport)
+                return
+            try:
+                resp = await transport.request(r, Frame(OP_STATUS, 0), timeout)
+                out[r] = unpack(resp.body)
+            except (PeerError, RemoteError) as e:
+                out[r] = {"rank": r, "error": str(e)}
+
+        async with trio.open_nursery() as n:
+            for r in range(nranks):
+                n.start_soon(one, r)
+        return {"ranks": out}
+
+    return gather

@@ -1,0 +1,132 @@
+"""Every inter-node message: tags, operations, the frame codec, size limits, the handler table.
+
+A frame is a fixed little-endian header followed by a body:
+
+    magic u16 | version u8 | op u8 | errno i32 | request id u64 | arg u64 | body length u32
+
+Requests travel with TAG_REQUEST, responses with TAG_RESPONSE and the request's id. Blob bodies
+are the blob's stored bytes (still compressed, verified by the reader); metadata bodies are
+msgpack. A frame that does not decode gets an EPROTO error response, never a crash.
+"""
+
+from __future__ import annotations
+
+import errno
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from ._errors import FanstoreError
+
+TAG_REQUEST = 100
+TAG_RESPONSE = 101
+
+MAGIC = 0xF5F5
+VERSION = 1
+HEADER = struct.Struct("<HBBiQQI")
+MAX_BODY = 80 << 20  # a 64 MiB chunk plus slack; anything larger is refused
+MAX_FRAME = HEADER.size + MAX_BODY
+
+# Operations
+OP_PING = 1
+OP_FETCH_BLOB = 2  # arg = blob id -> body = stored bytes
+OP_LOOKUP = 3  # body = msgpack path -> body = msgpack record
+OP_LISTDIR = 4  # arg = start << 32 | limit, body = msgpack path -> msgpack [records]
+OP_STATUS = 5  # -> msgpack dict
+OP_RECORDS = 6  # body = msgpack [entry index...] -> msgpack [records] (bulk warm-up)
+OP_NAMES = {
+    OP_PING: "ping",
+    OP_FETCH_BLOB: "fetch_blob",
+    OP_LOOKUP: "lookup",
+    OP_LISTDIR: "listdir",
+    OP_STATUS: "status",
+    OP_RECORDS: "records",
+}
+
+
+class ProtocolError(FanstoreError):
+    errno = errno.EPROTO
+
+
+@dataclass(slots=True)
+class Frame:
+    op: int
+    req_id: int
+    arg: int = 0
+    body: bytes = b""
+    err: int = 0
+
+    def encode(self) -> bytes:
+        if len(self.body) > MAX_BODY:
+            raise ProtocolError(f"message body of {len(self.body)} bytes exceeds {MAX_BODY}")
+        return HEADER.pack(MAGIC, VERSION, self.op, self.err, self.req_id, self.arg, len(self.body)) + (
+            self.body
+        )
+
+
+def decode(buf: bytes | bytearray | memoryview) -> Frame:
+    """Parse a frame; raise ProtocolError on anything malformed."""
+    if len(buf) < HEADER.size:
+        raise ProtocolError(f"frame of {len(buf)} bytes is shorter than the header")
+    if len(buf) > MAX_FRAME:
+        raise ProtocolError(f"frame of {len(buf)} bytes exceeds the limit")
+    magic, version, op, err, req_id, arg, blen = HEADER.unpack_from(buf)
+    if magic != MAGIC:
+        raise ProtocolError("bad magic")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version} unsupported")
+    if blen != len(buf) - HEADER.size:
+        raise ProtocolError(f"body length {blen} does not match frame ({len(buf) - HEADER.size})")
+    return Frame(op, req_id, arg, bytes(buf[HEADER.size :]), err)
+
+
+def request_id_of(buf: bytes | bytearray | memoryview) -> int:
+    """Best effort: the request id of a possibly malformed frame (0 if unreadable)."""
+    if len(buf) >= HEADER.size:
+        return int(HEADER.unpack_from(buf)[4])
+    return 0
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(body: bytes) -> Any:
+    try:
+        return msgpack.unpackb(body, raw=False, max_bin_len=MAX_BODY, max_str_len=1 << 16)
+    except Exception as e:
+        raise ProtocolError(f"bad msgpack body: {e}") from None
+
+
+Handler = Callable[[int, Frame], Awaitable[Frame]]
+
+
+class HandlerTable:
+    """op -> async handler(source rank, request) -> response frame. One table per daemon."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[int, Handler] = {}
+
+    def register(self, op: int, handler: Handler) -> None:
+        if op not in OP_NAMES:
+            raise ValueError(f"unknown op {op}")
+        self._handlers[op] = handler
+
+    async def dispatch(self, source: int, raw: bytes) -> bytes:
+        """Decode, run the handler, encode the reply; every failure becomes an error reply."""
+        try:
+            req = decode(raw)
+            handler = self._handlers.get(req.op)
+            if handler is None:
+                raise ProtocolError(f"unknown op {req.op}")
+            resp = await handler(source, req)
+            resp.req_id = req.req_id
+            resp.op = req.op
+            return resp.encode()
+        except FanstoreError as e:
+            return Frame(0, request_id_of(raw), err=e.errno, body=str(e).encode()[:1024]).encode()
+        except Exception as e:  # a bug in a handler must not kill the daemon
+            return Frame(0, request_id_of(raw), err=errno.EIO, body=repr(e).encode()[:1024]).encode()

@@ -1,0 +1,226 @@
+"""MPI point-to-point transport: one thread owns every MPI call, bridged to trio.
+
+The MPI thread posts `Isend`s from an outgoing queue, matches incoming messages with
+`improbe` + `Message.Recv`, completes sends with `Testsome`, and backs off (sleep(0), then
+sleeps growing to ~1 ms) when idle so an idle daemon does not spin a core. Received frames are
+handed to trio with `TrioToken.run_sync_soon`; trio tasks serve requests concurrently and
+wait for responses with a timeout.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+import trio
+
+from ._errors import FanstoreError, PeerError
+from ._messages import (
+    OP_NAMES,
+    TAG_REQUEST,
+    TAG_RESPONSE,
+    Frame,
+    HandlerTable,
+    ProtocolError,
+    decode,
+    request_id_of,
+)
+
+log = logging.getLogger("fanstore_fuse.transport")
+
+MAX_IDLE_SLEEP = float(os.environ.get("FANSTORE_MPI_MAX_SLEEP", "0.001"))  # while recently busy
+LONG_IDLE_SLEEP = 0.005  # after about a second without traffic
+SPIN_ROUNDS = 200  # sleep(0) polls after activity before backing off
+MAX_SERVING = 64  # concurrent requests served per daemon
+
+
+class RemoteError(FanstoreError):
+    """An error answer from a peer, carrying the peer's errno."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.errno = code
+
+
+class _Waiter:
+    __slots__ = ("event", "data", "error")
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.data: bytearray | None = None
+        self.error: str | None = None
+
+
+class MpiTransport:
+    def __init__(self, comm: Any, handlers: HandlerTable):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.handlers = handlers
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.requests_in_flight = 0
+        self.served = 0
+        self._outq: queue.SimpleQueue[tuple[int, int, bytes, int]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._pending: dict[int, _Waiter] = {}
+        self._ids = itertools.count(1)
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._req_send: trio.MemorySendChannel[tuple[int, bytearray]] | None = None
+        self._ready = trio.Event()
+
+    # ------------------------------------------------------------ trio side
+
+    async def run(self) -> None:
+        """Start the MPI thread and serve incoming requests until cancelled."""
+        self._token = trio.lowlevel.current_trio_token()
+        send, recv = trio.open_memory_channel[tuple[int, bytearray]](math.inf)
+        self._req_send = send
+        thread = threading.Thread(target=self._mpi_loop, name="fanstore-mpi", daemon=True)
+        thread.start()
+        self._ready.set()
+        limiter = trio.Semaphore(MAX_SERVING)
+        try:
+            async with trio.open_nursery() as nursery:
+                async for source, raw in recv:
+                    await limiter.acquire()
+                    nursery.start_soon(self._serve_one, source, raw, limiter)
+        finally:
+            self._stop.set()
+            self._wake.set()
+            await trio.to_thread.run_sync(thread.join)
+
+    async def _serve_one(self, source: int, raw: bytearray, limiter: trio.Semaphore) -> None:
+        try:
+            reply = await self.handlers.dispatch(source, bytes(raw))
+            self.served += 1
+            self._post(source, TAG_RESPONSE, reply, 0)
+        finally:
+            limiter.release()
+
+    def _post(self, dest: int, tag: int, data: bytes, req_id: int) -> None:
+        self._outq.put((dest, tag, data, req_id))
+        self._wake.set()
+
+    async def request(self, dest: int, frame: Frame, timeout: float) -> Frame:
+        """Send `frame` to rank `dest` and wait for its answer (PeerError on timeout)."""
+        await self._ready.wait()
+        rid = next(self._ids)
+        frame.req_id = rid
+        w = _Waiter()
+        self._pending[rid] = w
+        self.requests_in_flight += 1
+        try:
+            self._post(dest, TAG_REQUEST, frame.encode(), rid)
+            with trio.move_on_after(timeout):
+                await w.event.wait()
+        finally:
+            self.requests_in_flight -= 1
+            self._pending.pop(rid, None)
+        opname = OP_NAMES.get(frame.op, str(frame.op))
+        if not w.event.is_set():
+            raise PeerError(f"rank {dest} did not answer {opname} within {timeout:g} s")
+        if w.error is not None:
+            raise PeerError(f"rank {dest}: {w.error}")
+        assert w.data is not None
+        try:
+            resp = decode(w.data)
+        except ProtocolError as e:
+            raise PeerError(f"rank {dest} sent a malformed {opname} reply: {e}") from None
+        if resp.err:
+            msg = resp.body.decode(errors="replace") or os.strerror(resp.err)
+            raise RemoteError(f"rank {dest} {opname}: {msg}", resp.err)
+        return resp
+
+    def _deliver(self, source: int, tag: int, buf: bytearray) -> None:
+        if tag == TAG_REQUEST and self._req_send is not None:
+            self._req_send.send_nowait((source, buf))
+        elif tag == TAG_RESPONSE:
+            w = self._pending.get(request_id_of(buf))
+            if w is not None:
+                w.data = buf
+                w.event.set()
+
+    def _send_failed(self, req_id: int, message: str) -> None:
+        w = self._pending.get(req_id)
+        if w is not None:
+            w.error = message
+            w.event.set()
+
+    # ------------------------------------------------------------ the MPI thread
+
+    def _mpi_loop(self) -> None:
+        from mpi4py import MPI
+
+        comm = self.comm
+        status = MPI.Status()
+        sends: list[Any] = []
+        bufs: list[bytes] = []
+        token = self._token
+        assert token is not None
+        idle = 0
+        while not self._stop.is_set():
+            busy = False
+            while True:
+                try:
+                    dest, tag, data, rid = self._outq.get_nowait()
+                except queue.Empty:
+                    break
+                busy = True
+                try:
+                    sends.append(comm.Isend([data, MPI.BYTE], dest=dest, tag=tag))
+                    bufs.append(data)
+                    self.bytes_sent += len(data)
+                except MPI.Exception as e:
+                    log.error("send to rank %d failed: %s", dest, e)
+                    if rid:
+                        token.run_sync_soon(self._send_failed, rid, f"send failed: {e}")
+            for _ in range(64):
+                msg = comm.improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+                if msg is None:
+                    break
+                busy = True
+                n = status.Get_count(MPI.BYTE)
+                buf = bytearray(n)
+                msg.Recv([buf, MPI.BYTE])
+                self.bytes_received += n
+                try:
+                    token.run_sync_soon(self._deliver, status.Get_source(), status.Get_tag(), buf)
+                except trio.RunFinishedError:
+                    return
+            if sends:
+                done = MPI.Request.Testsome(sends)
+                if done:
+                    busy = True
+                    for i in sorted(done, reverse=True):
+                        del sends[i]
+                        del bufs[i]
+            if busy:
+                idle = 0
+                continue
+            idle += 1
+            if idle < SPIN_ROUNDS:
+                time.sleep(0)
+            else:
+                delay = min(MAX_IDLE_SLEEP, 20e-6 * (idle - SPIN_ROUNDS + 1))
+                if idle > SPIN_ROUNDS + 1000:
+                    delay = LONG_IDLE_SLEEP
+                if self._wake.wait(delay):
+                    self._wake.clear()
+                    idle = 0
+        # Let queued sends finish briefly so peers get their answers.
+        deadline = time.monotonic() + 1.0
+        while sends and time.monotonic() < deadline:
+            done = MPI.Request.Testsome(sends)
+            for i in sorted(done or [], reverse=True):
+                del sends[i]
+                del bufs[i]
+            time.sleep(0.001)
+
