@@ -169,11 +169,14 @@ def decode_manifest(data: bytes) -> Manifest:
     """Parse and fully validate a manifest; raise FormatError with a clear message."""
     if len(data) < _MANIFEST_HEADER.size:
         raise FormatError("manifest is truncated (no header)")
-    magic, version, flags, _, length, digest = _MANIFEST_HEADER.unpack_from(data)
+    magic, version, flags, reserved, length, digest = _MANIFEST_HEADER.unpack_from(data)
     if magic != MANIFEST_MAGIC:
         raise FormatError("not a fanstore-fuse manifest (bad magic)")
     if version != FORMAT_VERSION:
         raise FormatError(f"manifest format version {version}, this build reads {FORMAT_VERSION}")
+    # The header is not covered by the checksum: refuse any bit this version does not define.
+    if flags & ~MANIFEST_FLAG_ZSTD or reserved:
+        raise FormatError(f"manifest header has unknown flags {flags:#x} or reserved {reserved:#x}")
     payload = data[_MANIFEST_HEADER.size :]
     if len(payload) != length:
         raise FormatError(f"manifest payload is {len(payload)} bytes, header says {length}")

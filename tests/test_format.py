@@ -1,0 +1,388 @@
+"""The on-disk format without FUSE: manifest round trips (hypothesis), corruption, versions,
+truncation, hostile manifests, and blob verification (see docs/format.md)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import struct
+import tempfile
+from array import array
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fanstore_fuse import ChecksumError, FormatError, Namespace, PrepOptions, prep, verify
+from fanstore_fuse._blobstore import BlobStore
+from fanstore_fuse._format import (
+    _MANIFEST_HEADER,
+    CODEC_RAW,
+    CODEC_ZSTD,
+    FORMAT_VERSION,
+    HASH_SEED,
+    KIND_DIR,
+    KIND_FILE,
+    KIND_LINK,
+    MANIFEST_MAGIC,
+    MANIFEST_NAME,
+    PARTITION_DATA_START,
+    BlobCodec,
+    checksum,
+    decode_manifest,
+    encode_manifest,
+    partition_header,
+    read_manifest,
+)
+
+SMALL_CHUNK = 4096
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def file_bytes(m, store: BlobStore, ns: Namespace, i: int) -> bytes:
+    return b"".join(store.raw(b) for b in ns.blobs(i))
+
+
+def assert_manifest_matches_tree(src: Path, dest: Path, chunk: int) -> int:
+    """Every entry of the manifest equals the source (lstat + bytes), and vice versa."""
+    m = read_manifest(dest / MANIFEST_NAME)
+    ns = Namespace(m)
+    store = BlobStore(m, str(dest))
+    srcb = os.fsencode(src)
+    seen = set()
+    try:
+        for i in range(len(ns)):
+            rel = ns.path(i)
+            seen.add(rel)
+            full = os.path.join(srcb, rel) if rel else srcb
+            st_ = os.lstat(full)
+            r = ns.record(i)
+            assert r.mode == st_.st_mode & ~(stat.S_ISUID | stat.S_ISGID), rel
+            assert (r.uid, r.gid, r.mtime_ns) == (st_.st_uid, st_.st_gid, st_.st_mtime_ns), rel
+            if stat.S_ISDIR(st_.st_mode):
+                assert r.kind == KIND_DIR
+                assert r.size == st_.st_size
+                kids = sorted(os.listdir(full))
+                kids = [k for k in kids if _kept(os.path.join(full, k))]
+                assert [ns.name(j) for j in ns.children(i)] == kids, rel
+            elif stat.S_ISLNK(st_.st_mode):
+                assert r.kind == KIND_LINK
+                assert ns.readlink(i) == os.readlink(full)
+                assert r.size == len(os.readlink(full))
+            else:
+                assert r.kind == KIND_FILE
+                data = open(full, "rb").read()
+                assert r.size == len(data)
+                assert r.count == -(-len(data) // chunk)
+                assert file_bytes(m, store, ns, i) == data, rel
+                for b in ns.blobs(i):
+                    assert m.blobs["raw"][b] <= chunk
+                    assert m.blobs["xxh3"][b] == checksum(store.raw(b))
+    finally:
+        store.close()
+    expected = set()
+    for dp, dns, fns in os.walk(srcb):
+        for n in dns + fns:
+            p = os.path.join(dp, n)
+            if _kept(p):
+                expected.add(os.path.relpath(p, srcb))
+    assert seen == expected | {b""}
+    return len(seen)
+
+
+def _kept(p: bytes) -> bool:
+    md = os.lstat(p).st_mode
+    return stat.S_ISDIR(md) or stat.S_ISREG(md) or stat.S_ISLNK(md)
+
+
+# Trees as nested dicts: name -> bytes (file) | ("link", target) | dict (directory).
+names = st.one_of(
+    st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="/\0"),
+             min_size=1, max_size=12).map(lambda s: s.encode()),
+    st.binary(min_size=1, max_size=8),
+).filter(lambda b: b not in (b".", b"..") and b"/" not in b and b"\0" not in b and len(b) <= 255)
+contents = st.one_of(
+    st.binary(max_size=3 * SMALL_CHUNK + 7),
+    st.builds(lambda s, k: s * k, st.binary(min_size=1, max_size=16), st.integers(1, 2000)),
+)
+leaves = st.one_of(contents, st.tuples(st.just("link"), st.binary(min_size=1, max_size=40).filter(
+    lambda b: b"\0" not in b)))
+trees = st.recursive(
+    st.dictionaries(names, leaves, max_size=6),
+    lambda children: st.dictionaries(names, st.one_of(leaves, children), max_size=5),
+    max_leaves=25,
+)
+
+
+def materialize(root: bytes, tree: dict, mtime: list[int]) -> None:
+    os.makedirs(root, exist_ok=True)
+    for name, v in tree.items():
+        p = os.path.join(root, name)
+        if isinstance(v, dict):
+            materialize(p, v, mtime)
+        elif isinstance(v, tuple):
+            os.symlink(v[1], p)
+        else:
+            with open(p, "wb") as f:
+                f.write(v)
+            os.chmod(p, 0o600 | (len(v) % 8) << 3 | 0o4000 * (len(v) % 3 == 0))
+        mtime[0] += 1_234_567
+        os.utime(p, ns=(mtime[0], mtime[0]), follow_symlinks=False)
+    os.utime(root, ns=(mtime[0] - 99, mtime[0] - 99))
+
+
+# ---------------------------------------------------------------------------- round trips
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tree=trees, parts=st.integers(1, 4), codec=st.sampled_from(["zstd", "none"]),
+       chunk=st.sampled_from([SMALL_CHUNK, 8192]))
+def test_manifest_round_trip(tree, parts, codec, chunk):
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(os.fsencode(tmp), b"src")
+        materialize(src, tree, [1_500_000_000_000_000_001])
+        dest = Path(tmp) / "dest"
+        res = prep(os.fsdecode(src), dest, PrepOptions(partitions=parts, codec=codec,
+                                                       chunk_size=chunk, workers=2))
+        n = assert_manifest_matches_tree(Path(os.fsdecode(src)), dest, chunk)
+        assert n == res.manifest.n_entries
+        assert verify(str(dest)).ok
+        # The manifest also survives a second encode/decode unchanged.
+        again = decode_manifest(encode_manifest(res.manifest))
+        assert encode_manifest(again) == (dest / MANIFEST_NAME).read_bytes()
+        assert decode_manifest(encode_manifest(res.manifest, compress=False)).entries == again.entries
+
+
+@pytest.fixture
+def small_dest(tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    (src / "d" / "e").mkdir(parents=True)
+    (src / "a.txt").write_bytes(b"hello " * 1000)  # compressible -> zstd
+    (src / "d" / "r.bin").write_bytes(os.urandom(3 * SMALL_CHUNK + 100))  # random -> raw, 4 blobs
+    (src / "d" / "e" / "z").write_bytes(b"")
+    os.symlink("d/r.bin", src / "link")
+    prep(src, tmp_path / "dest", PrepOptions(partitions=2, chunk_size=SMALL_CHUNK, workers=1))
+    return tmp_path / "dest"
+
+
+def _manifest_bytes(dest: Path) -> bytes:
+    return (dest / MANIFEST_NAME).read_bytes()
+
+
+# ---------------------------------------------------------------------------- corruption
+
+
+def test_every_header_bit_flip_is_refused(small_dest: Path):
+    data = _manifest_bytes(small_dest)
+    decode_manifest(data)
+    for byte in range(_MANIFEST_HEADER.size):
+        for bit in range(8):
+            bad = bytearray(data)
+            bad[byte] ^= 1 << bit
+            with pytest.raises(FormatError):
+                decode_manifest(bytes(bad))
+
+
+def test_payload_bit_flips_are_refused(small_dest: Path):
+    data = _manifest_bytes(small_dest)
+    hs = _MANIFEST_HEADER.size
+    for pos in range(hs, len(data), max(1, (len(data) - hs) // 97)):
+        for bit in (0, 3, 7):
+            bad = bytearray(data)
+            bad[pos] ^= 1 << bit
+            with pytest.raises(FormatError, match="checksum"):
+                decode_manifest(bytes(bad))
+
+
+def test_truncated_manifest(small_dest: Path, tmp_path: Path):
+    data = _manifest_bytes(small_dest)
+    for n in (0, 1, 8, _MANIFEST_HEADER.size - 1, _MANIFEST_HEADER.size, len(data) // 2, len(data) - 1):
+        with pytest.raises(FormatError):
+            decode_manifest(data[:n])
+    with pytest.raises(FormatError, match="header says"):
+        decode_manifest(data + b"x")
+    with pytest.raises(FormatError, match="no manifest"):
+        read_manifest(tmp_path / "nope" / MANIFEST_NAME)
+    with pytest.raises(FormatError, match="directory"):
+        read_manifest(tmp_path)
+
+
+def _rehead(payload: bytes, version: int = FORMAT_VERSION, flags: int = 1) -> bytes:
+    return _MANIFEST_HEADER.pack(MANIFEST_MAGIC, version, flags, 0, len(payload), checksum(payload)) + payload
+
+
+def test_version_mismatch(small_dest: Path):
+    data = _manifest_bytes(small_dest)
+    payload = data[_MANIFEST_HEADER.size :]
+    decode_manifest(_rehead(payload))
+    for v in (0, FORMAT_VERSION + 1, 0xFFFF):
+        with pytest.raises(FormatError, match="version"):
+            decode_manifest(_rehead(payload, version=v))
+    # A payload claiming another format version, with a valid header and checksum.
+    import msgpack
+    import zstandard
+
+    d = msgpack.unpackb(zstandard.ZstdDecompressor().decompress(payload), raw=False)
+    d["format"] = FORMAT_VERSION + 1
+    raw = msgpack.packb(d, use_bin_type=True)
+    with pytest.raises(FormatError, match="format"):
+        decode_manifest(_rehead(raw, flags=0))
+    # Garbage with a valid checksum: not msgpack / not zstd.
+    with pytest.raises(FormatError, match="msgpack"):
+        decode_manifest(_rehead(b"\xc1\xc1\xc1", flags=0))
+    with pytest.raises(FormatError, match="decompress"):
+        decode_manifest(_rehead(b"not zstd at all", flags=1))
+    with pytest.raises(FormatError):
+        decode_manifest(_rehead(msgpack.packb([1, 2, 3]), flags=0))
+    with pytest.raises(FormatError, match="magic"):
+        decode_manifest(b"FSTRPART" + data[8:])
+
+
+def _hostile(dest: Path, mutate) -> bytes:
+    m = read_manifest(dest / MANIFEST_NAME)
+    mutate(m)
+    return encode_manifest(m)
+
+
+@pytest.mark.parametrize(
+    "mutate, msg",
+    [
+        (lambda m: m.entries["parent"].__setitem__(1, 5), "parent"),
+        (lambda m: m.entries["mode"].__setitem__(1, m.entries["mode"][1] | stat.S_ISUID), "setuid"),
+        (lambda m: m.entries["kind"].__setitem__(0, KIND_FILE), "root"),
+        (lambda m: m.entries["kind"].__setitem__(1, 7), "kind"),
+        (lambda m: m.entries["size"].__setitem__(_first_file(m), 1), "size"),
+        (lambda m: m.entries["count"].__setitem__(0, 1), "cover|parent"),
+        (lambda m: m.entries["first"].__setitem__(0, 0), "children|cycle|parent"),
+        (lambda m: setattr(m, "names", m.names.replace(b"a.txt", b"../xx")), "unsafe"),
+        (lambda m: setattr(m, "names", m.names.replace(b"a.txt", b"a/txt")), "unsafe"),
+        (lambda m: setattr(m.partitions[0], "name", "../evil"), "unsafe"),
+        (lambda m: setattr(m.partitions[1], "name", m.partitions[0].name), "duplicate"),
+        (lambda m: setattr(m.partitions[0], "size", 10), "too small"),
+        (lambda m: m.blobs["offset"].__setitem__(0, 10**12), "outside"),
+        (lambda m: m.blobs["offset"].__setitem__(0, 3), "outside"),
+        (lambda m: m.blobs["part"].__setitem__(0, 99), "partition"),
+        (lambda m: m.blobs["codec"].__setitem__(0, 9), "codec"),
+        (lambda m: m.blobs["codec"].__setitem__(0, 2), "dictionary"),
+        (lambda m: m.options.__setitem__("chunk_size", 1 << 40), "chunk"),
+        (lambda m: m.name_off.__setitem__(len(m.name_off) - 1, 1), "name table"),
+    ],
+)
+def test_hostile_manifests_are_refused(small_dest: Path, mutate, msg):
+    with pytest.raises(FormatError, match=msg):
+        decode_manifest(_hostile(small_dest, mutate))
+
+
+def _first_file(m) -> int:
+    return next(i for i in range(m.n_entries) if m.entries["kind"][i] == KIND_FILE)
+
+
+def test_column_length_mismatch_is_refused(small_dest: Path):
+    def drop(m):
+        m.entries["uid"] = array("I", list(m.entries["uid"])[:-1])
+
+    with pytest.raises(FormatError, match="uid"):
+        decode_manifest(_hostile(small_dest, drop))
+
+
+def _blob_of(dest: Path, rel: bytes, k: int = 0):
+    m = read_manifest(dest / MANIFEST_NAME)
+    ns = Namespace(m)
+    b = ns.blobs(ns.resolve(rel))[k]
+    return m, b
+
+
+def _flip(path: Path, offset: int, mask: int = 0x01) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        c = f.read(1)
+        f.seek(offset)
+        f.write(bytes([c[0] ^ mask]))
+
+
+@pytest.mark.parametrize("rel, codec", [(b"a.txt", CODEC_ZSTD), (b"d/r.bin", CODEC_RAW)])
+def test_partition_bit_flip_detected(small_dest: Path, rel: bytes, codec: int):
+    m, b = _blob_of(small_dest, rel, k=1 if rel == b"d/r.bin" else 0)
+    assert m.blobs["codec"][b] == codec
+    part = m.partitions[m.blobs["part"][b]].name
+    stored = m.blobs["stored"][b]
+    for pos in (0, stored // 2, stored - 1):
+        _flip(small_dest / part, m.blobs["offset"][b] + pos)
+        store = BlobStore(m, str(small_dest))
+        with pytest.raises(ChecksumError) as ei:
+            store.raw(b)
+        assert part in str(ei.value) and f"blob {b}" in str(ei.value)
+        store.close()
+        rep = verify(str(small_dest), workers=1)
+        assert not rep.ok and len(rep.problems) == 1
+        assert rel.decode() in rep.problems[0] and part in rep.problems[0]
+        _flip(small_dest / part, m.blobs["offset"][b] + pos)  # restore
+        assert verify(str(small_dest)).ok
+
+
+def test_truncated_and_missing_partition(small_dest: Path):
+    m, b = _blob_of(small_dest, b"d/r.bin", k=3)
+    part = small_dest / m.partitions[m.blobs["part"][b]].name
+    data = part.read_bytes()
+    part.write_bytes(data[: m.blobs["offset"][b] + 10])
+    store = BlobStore(m, str(small_dest))
+    with pytest.raises(ChecksumError, match="truncated"):
+        store.raw(b)
+    store.close()
+    rep = verify(str(small_dest))
+    assert any("bytes, manifest says" in p for p in rep.problems)
+    assert any("d/r.bin" in p and "truncated" in p for p in rep.problems)
+    part.unlink()
+    rep = verify(str(small_dest))
+    assert any("missing" in p for p in rep.problems)
+    store = BlobStore(m, str(small_dest))
+    with pytest.raises(ChecksumError, match="unreadable"):
+        store.raw(b)
+    store.close()
+
+
+def test_partition_header_checks(small_dest: Path):
+    m = read_manifest(small_dest / MANIFEST_NAME)
+    p0 = small_dest / m.partitions[0].name
+    data = p0.read_bytes()
+    assert data[:PARTITION_DATA_START] == partition_header(0, m.dataset_id, False)
+    # Another dataset's partition in slot 0.
+    p0.write_bytes(partition_header(0, m.dataset_id ^ 1, False) + data[PARTITION_DATA_START:])
+    assert any("another dataset" in p for p in verify(str(small_dest)).problems)
+    p0.write_bytes(b"XXXXXXXX" + data[8:])
+    assert any("bad magic" in p for p in verify(str(small_dest)).problems)
+    hdr = bytearray(data[:PARTITION_DATA_START])
+    struct.pack_into("<H", hdr, 8, FORMAT_VERSION + 1)
+    p0.write_bytes(bytes(hdr) + data[PARTITION_DATA_START:])
+    assert any("version" in p for p in verify(str(small_dest)).problems)
+    p0.write_bytes(data)
+    assert verify(str(small_dest)).ok
+
+
+def test_blob_codec_refuses_wrong_bytes():
+    codec = BlobCodec()
+    raw = b"abc" * 1000
+    import zstandard
+
+    z = zstandard.ZstdCompressor().compress(raw)
+    assert codec.decode(z, CODEC_ZSTD, len(raw), checksum(raw), "t") == raw
+    assert codec.decode(raw, CODEC_RAW, len(raw), checksum(raw), "t") == raw
+    with pytest.raises(ChecksumError, match="checksum"):
+        codec.decode(raw, CODEC_RAW, len(raw), checksum(raw) ^ 1, "t")
+    with pytest.raises(ChecksumError, match="expected"):
+        codec.decode(raw[:-1], CODEC_RAW, len(raw), checksum(raw), "t")
+    with pytest.raises(ChecksumError):
+        codec.decode(z[:-3], CODEC_ZSTD, len(raw), checksum(raw), "t")
+    with pytest.raises(ChecksumError):  # decodes to more than the recorded raw length
+        codec.decode(z, CODEC_ZSTD, len(raw) - 1, checksum(raw), "t")
+
+
+def test_checksum_is_seeded_xxh3():
+    import xxhash
+
+    assert HASH_SEED == 0x46414E53
+    assert checksum(b"fanstore") == xxhash.xxh3_64_intdigest(b"fanstore", seed=HASH_SEED)
+    assert checksum(b"fanstore") != xxhash.xxh3_64_intdigest(b"fanstore")
