@@ -130,8 +130,8 @@ def save(
     entries, data_len = fmt.plan(tensors)
     sources = [host_view(fmt.host_bytes(t)) for t in tensors]
     entries = _hash_entries(entries, sources)
-    header = fmt.encode_header(tree, entries, data_len)
-    layout = fmt.Layout(tree, entries, len(header), data_len, header=header)
+    header = fmt.encode_header(tree, entries, data_len, piece=fmt.PIECE)
+    layout = fmt.Layout(tree, entries, len(header), data_len, piece=fmt.PIECE, header=header)
     d = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
     device = _device("cpu")

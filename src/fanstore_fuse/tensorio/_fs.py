@@ -19,8 +19,6 @@ def _unescape(s: str) -> str:
 def fs_type(path: str | os.PathLike[str], mounts: str = _MOUNTS) -> str:
     """The type (ext4, xfs, tmpfs, fuse.fanstore, ...) of the mount holding path."""
     p = os.path.realpath(path)
-    while not os.path.exists(p) and p != os.path.dirname(p):
-        p = os.path.dirname(p)
     best, kind = "", "unknown"
     try:
         with open(mounts) as f:
