@@ -74,6 +74,8 @@ class FanStore(System):
         for sub in ("prep", "mount", "umount"):
             if sub not in out:
                 return False, f"fanstore-fuse has no '{sub}' command yet"
+        ok, out = _help(self.cmd, self.env, "prep")
+        self.prep_quiet = ["--quiet"] if ok and "--quiet" in out else []
         if self.ranks > 1:
             ok, out = _help(self.cmd, self.env, "mount")
             if not ok or "--ranks" not in out:
@@ -90,6 +92,7 @@ class FanStore(System):
         args = [
             "prep", str(self.ds.src), str(self.dest), "--partitions", str(self.partitions),
             "--codec", "zstd", "--level", str(self.level), "--workers", str(self.workers),
+            *self.prep_quiet,
         ]  # fmt: skip
         dt, _ = self._run(*args)
         return {"prep_s": dt, "image_bytes": dir_bytes(self.dest),
@@ -116,9 +119,11 @@ class FanStore(System):
         marker = str(Path(mps[0]).parent if self.ranks > 1 else mps[0])
         # one Mount record per rank; rank 0's also kills every daemon whose cmdline names our
         # (unique, per-session) mount path, and removes the local copies
+        # (`umount` of the template, or of the single mountpoint, stops every rank)
         for i, mp in enumerate(mps):
             register(Mount(
-                mp, umount_cmd=[*self.cmd, "umount", mp], pid_marker=marker if i == 0 else None,
+                mp, umount_cmd=[*self.cmd, "umount", mp_arg] if i == 0 else None,
+                pid_marker=marker if i == 0 else None,
             ))  # fmt: skip
         self._mounts = [m for m in _registered(mps)]
         self._mount = None
@@ -130,7 +135,8 @@ class FanStore(System):
             _wait_mounted(mp, self.mount_timeout)
         dt = time.perf_counter() - t0
         self.root = mps[0]
-        staged = sum(dir_bytes(d) for d in locs if os.path.isdir(d))
+        c = self.counters() or {}
+        staged = c.get("staged_bytes") or sum(dir_bytes(d) for d in locs if os.path.isdir(d))
         return {"mount_s": dt, "staged_bytes": staged, "mount_cmd": "fanstore-fuse " + " ".join(args)}
 
     def umount(self) -> list[str]:
@@ -160,17 +166,45 @@ class FanStore(System):
         except ValueError:
             return None
 
+    def status_all(self) -> list[dict] | None:
+        """Per-rank status dicts: ``{"ranks": [...]}`` (multi-rank) or one rank's dict."""
+        per_rank: list[dict] = []
+        for mp in self.mountpoints:
+            try:
+                st = json.loads(os.getxattr(mp, "user.fanstore.status"))
+            except (OSError, ValueError):
+                return None
+            if isinstance(st, dict) and isinstance(st.get("ranks"), list):
+                return [r for r in st["ranks"] if isinstance(r, dict)]  # every rank, from any mount
+            if isinstance(st, dict):
+                per_rank.append(st)
+        return per_rank
+
+    def counters(self) -> dict[str, int] | None:
+        """Numeric counters summed over ranks (local/remote reads and bytes, served blobs, ...)."""
+        ranks = self.status_all()
+        if ranks is None:
+            return None
+        total: dict[str, int] = {}
+        for st in ranks:
+            flat = dict(st.get("stats", {}))
+            flat.update({k: v for k, v in st.items() if k != "stats"})
+            for k, v in flat.items():
+                if isinstance(v, int) and not isinstance(v, bool) and k != "rank":
+                    total[k] = total.get(k, 0) + v
+        return total
+
     def remote_files(self) -> list[tuple[str, int]] | None:
         """Large files that rank 0 does not hold locally (read through rank 0's mount)."""
         if self.ranks < 2 or not self.mountpoints:
             return None
-        st = self.status(self.mountpoints[0])
-        if not st:
-            return None
+        st = self.status(self.mountpoints[0]) or {}
         owners = _find_owner_map(st)
+        me = st.get("rank", 0) if isinstance(st.get("rank", 0), int) else 0
+        if owners is None:
+            owners = _owner_xattrs(self.mountpoints[0], [rel for rel, _ in self.ds.large])
         if owners is None:
             return None
-        me = st.get("rank", 0)
         out = []
         for rel, size in self.ds.large:
             o = owners.get(rel, owners.get("/" + rel))
@@ -192,3 +226,27 @@ def _find_owner_map(st: dict) -> dict[str, int] | None:
         if isinstance(v, dict):
             return {str(k): int(x) for k, x in v.items() if isinstance(x, int)}
     return None
+
+
+OWNER_XATTRS = ("user.fanstore.owner", "user.fanstore.rank", "user.fanstore.owners")
+
+
+def _owner_xattrs(root: str, rels: list[str]) -> dict[str, int] | None:
+    """Owner rank of each file from a per-file xattr, when the daemon offers one."""
+    out: dict[str, int] = {}
+    for rel in rels:
+        for name in OWNER_XATTRS:
+            try:
+                raw = os.getxattr(os.path.join(root, rel), name)
+            except OSError:
+                continue
+            try:
+                v = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(v, list) and v:
+                v = v[0]
+            if isinstance(v, int):
+                out[rel] = v
+                break
+    return out or None

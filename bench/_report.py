@@ -14,8 +14,11 @@ DOCS_END = "<!-- bench:end -->"
 
 
 def _get(d: dict | None, *path: str):
+    """d[path...], or None when missing or when the measurement holding it reports an error."""
     for p in path:
         if not isinstance(d, dict) or p not in d:
+            return None
+        if not isinstance(d[p], dict) and "error" in d:
             return None
         d = d[p]
     if isinstance(d, dict) and "error" in d:
@@ -65,6 +68,19 @@ def metrics(readers: list[int]) -> list[Metric]:
          lambda s: _num(_get(s, "remote", "cold", "1", "MB_per_s")), True),
         ("remote.warm", "remote large reads, warm, 1 reader", "MB/s",
          lambda s: _num(_get(s, "remote", "warm", "1", "MB_per_s")), True),
+        ("remote.mixed", "large via rank 0 (mixed local/remote), cold, 1 reader", "MB/s",
+         lambda s: _num(_get(s, "remote", "cold", "1", "mixed_MB_per_s")), True),
+        ("remote.frac", "  remote byte fraction of that read", "",
+         lambda s: _num(_get(s, "remote", "cold", "1", "remote_byte_fraction")), True),
+        ("sym.cold", "small cold, 1 reader per rank on its own mount, per node", "files/s",
+         lambda s: _num(_get(s, "remote", "symmetric_small", "cold", "files_per_s_per_node")),
+         True),
+        ("sym.warm", "small warm, 1 reader per rank on its own mount, per node", "files/s",
+         lambda s: _num(_get(s, "remote", "symmetric_small", "warm", "files_per_s_per_node")),
+         True),
+        ("sym.frac", "  remote byte fraction (symmetric, cold)", "",
+         lambda s: _num(_get(s, "remote", "symmetric_small", "cold", "remote_byte_fraction")),
+         True),
     ]  # fmt: skip
     return out
 
@@ -193,12 +209,22 @@ def costs(results: dict) -> dict:
     stat, src_s = pick(lambda s: _num(_get(s, "stat", "files_per_s")),
                        ["fanstore1", "squashfuse", "native"])  # fmt: skip
     mpi = mpi_MBps(results)
-    if remote is None and mpi:
-        remote, src_r = mpi * 0.5, "assumed 0.5 x raw MPI (no fanstore remote measurement)"
+    remote_files_s, src_rf = None, "not measured: the scale model derives it"
+    sym = _get(S.get(fsn or "", {}), "remote", "symmetric_small", "cold") or {}
+    r_sym, f = _num(sym.get("files_per_s_per_node")), _num(sym.get("remote_byte_fraction"))
+    if r_sym and f and local:
+        denom = 1 / r_sym - (1 - f) / local
+        if denom > 0:
+            remote_files_s = f / denom
+            src_rf = (f"{fsn} symmetric small cold reads: {r_sym:,.0f} files/s per node with remote "
+                      f"fraction {f:.2f}; remote = f / (1/rate - (1-f)/local_small_files_per_s)")  # fmt: skip
+    if remote is None:
+        src_r = "not measured (no multi-rank fanstore-fuse run): the scale model's default"
     small_mean = results["meta"]["dataset"]["params"].get("small_mean", 112640)
     return {
         "local_small_files_per_s": local,
         "local_small_files_per_s_warm": local_w,
+        "remote_files_s": remote_files_s,
         "remote_fetch_MB_per_s": remote,
         "mpi_MB_per_s": mpi,
         "stat_per_s": stat,
@@ -209,6 +235,7 @@ def costs(results: dict) -> dict:
             "local_small_files_per_s": f"{src_l} small cold 1 reader",
             "local_small_files_per_s_warm": f"{src_lw} small warm 1 reader",
             "remote_fetch_MB_per_s": str(src_r),
+            "remote_files_s": src_rf,
             "mpi_MB_per_s": f"mpi4py Send/Recv {MPI_CHUNK_KIB} KiB stream",
             "stat_per_s": f"{src_s} stat on fresh mount",
         },

@@ -153,9 +153,27 @@ def read_rate(
     return r
 
 
+def median(samples: Sequence[dict], unit: str) -> dict:
+    """The sample with the median rate (lower median), with every sample's rate attached."""
+    good = [s for s in samples if "error" not in s]
+    if not good:
+        return dict(samples[0]) if samples else {"error": "no samples"}
+    good = sorted(good, key=lambda s: s[unit])
+    out = dict(good[(len(good) - 1) // 2])
+    if len(samples) > 1:
+        out["samples"] = [round(s[unit], 1) if "error" not in s else s["error"] for s in samples]
+    return out
+
+
 def stat_rate(root: str, files: Sequence[tuple[str, int]], timeout: float = 600) -> dict:
+    """os.stat of every file (by path: one lookup per new component), one process.
+
+    Caches are dropped first so native files also start with cold dentries/inodes."""
     items = [(os.path.join(root, rel), 0, -1) for rel, _ in files]
-    return run_parallel("stat", [items], timeout)
+    dropped = drop_caches()
+    r = run_parallel("stat", [items], timeout)
+    r["caches_dropped"] = dropped
+    return r
 
 
 def ls_lr(root: str, cold: bool, timeout: float = 600) -> dict:
