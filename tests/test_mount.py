@@ -361,3 +361,14 @@ def test_real_tree_nobody_here_wrote(tmp_path: Path, mount_factory):
     m.umount()
     assert str(m.path) not in fuse_mounts() and not local.exists()
     print(f"compared {compared} entries ({n_files} files) in {dt:.2f} s", file=sys.stderr)
+
+
+@pytest.mark.timeout(120)
+def test_demo_script():
+    """`make demo` runs scripts/demo.py: it must pass and leave nothing mounted."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "demo.py"
+    before = set(fuse_mounts())
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=110)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "demo: OK" in r.stdout and "no mount and no local copy left behind" in r.stdout
+    assert set(fuse_mounts()) - before == set()
