@@ -26,7 +26,9 @@ CLI = [sys.executable, "-m", "fanstore_fuse"]
 CHUNK_MIB = 1
 
 
-def run(*args: str, env: dict[str, str], check: bool = True, show: bool = True) -> subprocess.CompletedProcess[str]:
+def run(
+    *args: str, env: dict[str, str], check: bool = True, show: bool = True
+) -> subprocess.CompletedProcess[str]:
     if show:
         print("$ fanstore-fuse " + " ".join(shlex.quote(a) for a in args), flush=True)
     r = subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, errors="replace",
