@@ -518,3 +518,20 @@ def test_offload_with_forced_tools(tmp_path: Path):
     assert off.stats["offloaded"] >= 2
     for a, p in zip(want, m.parameters(), strict=True):
         assert torch.equal(a, p.grad)
+
+
+def test_load_mmap_zero_copy(tmp_path: Path):
+    sd = _sample()
+    p = tmp_path / "z.fst"
+    tio.save(sd, p)
+    out = tio.load(p, mmap=True)
+    _assert_same(sd, out)
+    before = p.read_bytes()
+    out["f32"].add_(1)  # copy-on-write: the file never changes
+    assert p.read_bytes() == before
+    tio.save({"a": torch.ones(3)}, p)  # replaced by rename: mapped tensors keep old bytes
+    _assert_same(sd["i8"], out["i8"])
+    lay = tio.read_layout(p)
+    _flip(p, lay.data_offset + 1)
+    with pytest.raises(tio.TensorChecksumError):
+        tio.load(p, mmap=True)

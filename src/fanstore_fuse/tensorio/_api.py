@@ -226,16 +226,27 @@ def load(
     *,
     tool: str | None = None,
     verify: bool = True,
+    mmap: bool = False,
     selector: Selector | None = None,
 ) -> Any:
     """Read a file written by save(). All tensors are views of one buffer on ``device``.
 
     ``verify=True`` checks every tensor byte against its xxh3-64 (the header is always
     checked); a mismatch raises TensorChecksumError and returns nothing.
+
+    ``mmap=True`` (CPU only; like ``torch.load(mmap=True)``) maps the data region privately
+    (copy-on-write) instead of copying it: no tool runs, pages come from the page cache, writes
+    to the tensors never reach the file. save() replaces files by rename, so a mapped file never
+    changes under its tensors; a file truncated in place by another program would (SIGBUS).
     """
     path = os.fspath(path)
     dev = _device(device)
     layout = fmt.read_layout(path)
+    if mmap and dev.type == "cpu":
+        dest = _map_private(path, layout)
+        if verify:
+            _Verifier(layout).finish(dest)
+        return fmt.unflatten(layout.tree, [fmt.view_tensor(dest, e) for e in layout.entries])
     cache = cache_state(path, layout.data_offset, layout.data_len) if layout.data_len else "warm"
     holder: dict[str, torch.Tensor] = {}
 
@@ -255,6 +266,22 @@ def load(
     dest = holder["dest"]
     tensors = [fmt.view_tensor(dest, e) for e in layout.entries]
     return fmt.unflatten(layout.tree, tensors)
+
+
+def _map_private(path: str, layout: fmt.Layout) -> torch.Tensor:
+    import mmap as _mmap
+
+    if layout.data_len == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        mm = _mmap.mmap(fd, layout.data_len, flags=_mmap.MAP_PRIVATE,
+                        prot=_mmap.PROT_READ | _mmap.PROT_WRITE, offset=layout.data_offset)
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError, AttributeError):
+        mm.madvise(_mmap.MADV_WILLNEED)
+    return torch.frombuffer(mm, dtype=torch.uint8)
 
 
 def info(path: str | os.PathLike[str]) -> dict[str, Any]:

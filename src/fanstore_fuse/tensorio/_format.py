@@ -130,8 +130,9 @@ class Layout:
     def file_size(self) -> int:
         return self.data_offset + self.data_len
 
-    def chunks(self, target: int = CHUNK) -> list[Chunk]:
+    def chunks(self, target: int | None = None) -> list[Chunk]:
         """Split the data region into ~target-sized chunks on 4096-aligned piece boundaries."""
+        target = target or CHUNK
         if target in self._chunks:
             return self._chunks[target]
         out: list[Chunk] = []
