@@ -55,9 +55,13 @@ class _Peers:
     def __init__(self) -> None:
         self._suspect: dict[int, float] = {}
 
-    def order(self, ranks: list[int]) -> list[int]:
+    def order(self, ranks: list[int], skip_suspects: bool) -> list[int]:
+        """Healthy peers first; suspects last, or not at all when another source exists."""
         now = time.monotonic()
-        return sorted(ranks, key=lambda r: self._suspect.get(r, 0.0) > now)
+        healthy = [r for r in ranks if self._suspect.get(r, 0.0) <= now]
+        if skip_suspects:
+            return healthy
+        return healthy + [r for r in ranks if r not in healthy]
 
     def suspect(self, rank: int) -> None:
         self._suspect[rank] = time.monotonic() + SUSPECT_SECONDS
@@ -101,7 +105,7 @@ class ClusterBlobSource:
         if len(others) > 1:  # spread readers of a replicated blob over its holders
             k = (blob + self.rank) % len(others)
             others = others[k:] + others[:k]
-        for h in self.peers.order(others):
+        for h in self.peers.order(others, skip_suspects=self.source_store is not None):
             try:
                 resp = await self.transport.request(h, Frame(OP_FETCH_BLOB, 0, blob), self.timeout)
                 data = await self._decode(blob, resp.body)

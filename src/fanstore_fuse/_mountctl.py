@@ -153,7 +153,16 @@ def prepare_local_dir(path: str) -> str:
 
 def remove_local_dir(path: str) -> None:
     """Remove a local copy, only if it carries our marker."""
-    if os.path.isdir(path) and os.path.exists(os.path.join(path, LOCAL_MARKER)):
+    marker = os.path.join(path, LOCAL_MARKER)
+    if os.path.isdir(path) and os.path.exists(marker):
+        for name in os.listdir(path):  # the marker goes last, so an interrupted removal can resume
+            if name != LOCAL_MARKER:
+                p = os.path.join(path, name)
+                if os.path.isdir(p) and not os.path.islink(p):
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(p)
         shutil.rmtree(path, ignore_errors=True)
         parent = os.path.dirname(path)
         if os.path.basename(parent).startswith("local-"):  # the default per-mount parent
@@ -210,8 +219,12 @@ def umount(mountpoint: str, timeout: float = 15.0) -> UmountResult:
         if lazy_unmount(mp):
             return UmountResult([mp], 0, 0, stale=True)
         raise FanstoreError(f"{mp} is not a fanstore-fuse mount")
+    # Daemons first (they unmount and clean up themselves), then the launcher (mpiexec/srun),
+    # which could otherwise kill them in the middle of their clean-up.
+    killed = stop_pids(list(st.pids), timeout)
+    if st.launcher_pid:
+        killed += stop_pids([st.launcher_pid], timeout)
     pids = list(st.pids) + ([st.launcher_pid] if st.launcher_pid else [])
-    killed = stop_pids(pids, timeout)
     for mp in st.mountpoints:
         lazy_unmount(mp)
     for d in st.local_dirs:

@@ -215,7 +215,13 @@ def status(
     mountpoint: str = typer.Argument(...),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Counters from the running daemon(s) of a mount."""
+    """Counters from the running daemon(s) of a mount (every rank's, via any one rank)."""
+    from ._mountctl import find_state, is_mounted
+
+    if not is_mounted(mountpoint):
+        st = find_state(mountpoint)
+        if st is not None and st.mountpoints:
+            mountpoint = st.mountpoints[0]
     try:
         raw = os.getxattr(mountpoint, "user.fanstore.status")
     except OSError as e:

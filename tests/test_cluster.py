@@ -1,0 +1,187 @@
+"""Multi-rank mounts on one machine: N local MPI ranks standing in for N nodes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from _harness import (
+    diff_meta,
+    expected_from_source,
+    prep_cli,
+    snapshot,
+    status_ranks,
+)
+
+from fanstore_fuse._format import MANIFEST_NAME, read_manifest
+from fanstore_fuse._ring import Placement
+
+pytestmark = [pytest.mark.mount, pytest.mark.mpi]
+
+
+def _prep(src_tree: Path, tmp_path: Path, *opts: str) -> Path:
+    return prep_cli(src_tree, tmp_path / "dest", "--chunk-mib", "1", "-p", "3", *opts)
+
+
+def _check_tree(expected, mountpoint: str) -> None:
+    actual, _ = snapshot(mountpoint)
+    assert diff_meta(expected, actual) == []
+
+
+@pytest.mark.timeout(240)
+def test_three_ranks_read_everything_and_mostly_remote(src_tree, tmp_path, mount_factory):
+    dest = _prep(src_tree, tmp_path)
+    expected = expected_from_source(snapshot(src_tree)[0])
+    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=3,
+                      local=str(tmp_path / "local" / "{rank}"))
+    assert len(m.mountpoints) == 3
+    for mp in m.mountpoints:
+        _check_tree(expected, mp)
+    ranks = status_ranks(m.status())
+    assert [r["rank"] for r in ranks] == [0, 1, 2]
+    man = read_manifest(dest / MANIFEST_NAME)
+    assert sum(r["blobs_held"] for r in ranks) == man.n_blobs  # one copy each, no replicas
+    for r in ranks:
+        s = r["stats"]
+        # every rank read every blob once: what it does not hold came over MPI
+        assert s["remote_reads"] == man.n_blobs - r["blobs_held"], r
+        assert s["remote_reads"] > s["local_reads"], r
+        assert r["mpi_bytes_received"] > 0
+    # each rank staged only its share
+    for r in range(3):
+        staged = sum(
+            os.stat(p).st_blocks * 512 for p in (tmp_path / "local" / str(r)).glob("*.fsp")
+        )
+        assert staged < sum(p.size for p in man.partitions)
+    pids = m.pids()
+    m.umount()
+    time.sleep(0.2)
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)
+    left = sorted(str(p) for p in (tmp_path / "local").glob("*/*"))
+    assert not left, (left, m.umount_result.stderr if m.umount_result else None)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] in "ZX"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.timeout(180)
+def test_remote_metadata_without_warmup(src_tree, tmp_path, mount_factory):
+    dest = _prep(src_tree, tmp_path)
+    expected = expected_from_source(snapshot(src_tree, contents=False)[0])
+    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=3,
+                      extra_args=["--no-warm-metadata"])
+    for mp in m.mountpoints:
+        actual, _ = snapshot(mp, contents=False)
+        assert diff_meta(expected, actual) == []
+    ranks = status_ranks(m.status())
+    assert all(r["stats"].get("meta_remote", 0) > 0 for r in ranks)
+
+
+def _local_partition_with(tmp_path: Path, man, blob: int, rank: int) -> Path:
+    return tmp_path / "local" / str(rank) / man.partitions[man.blobs["part"][blob]].name
+
+
+@pytest.mark.timeout(180)
+def test_replicas_survive_a_corrupt_and_a_missing_copy(src_tree, tmp_path, mount_factory):
+    dest = _prep(src_tree, tmp_path)
+    expected = expected_from_source(snapshot(src_tree)[0])
+    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=3,
+                      local=str(tmp_path / "local" / "{rank}"), extra_args=["--replicas", "2"])
+    man = read_manifest(dest / MANIFEST_NAME)
+    pl = Placement(3, 2)
+    # Damage the primary copy of every blob, in place on its holder's SSD: flip a byte of each.
+    for b in range(man.n_blobs):
+        primary = pl.locate_data(b)[0]
+        part = _local_partition_with(tmp_path, man, b, primary)
+        with open(part, "r+b") as f:
+            off = man.blobs["offset"][b] + man.blobs["stored"][b] // 2
+            f.seek(off)
+            byte = f.read(1)
+            f.seek(off)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    # And delete one rank's partition file outright.
+    victim = next(iter(sorted((tmp_path / "local" / "1").glob("*.fsp"))))
+    victim.unlink()
+    for mp in m.mountpoints:
+        _check_tree(expected, mp)
+    ranks = status_ranks(m.status())
+    assert sum(r["stats"]["errors"] for r in ranks) > 0  # the bad copies were seen and skipped
+    assert "checksum" in m.log_text() or "corrupt" in m.log_text()
+
+
+@pytest.mark.timeout(120)
+def test_idle_daemons_do_not_spin(src_tree, tmp_path, mount_factory):
+    dest = _prep(src_tree, tmp_path)
+    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=3)
+    st = m.state()
+    assert st is not None
+    pids = st.pids
+    time.sleep(2.0)  # let the startup work settle
+
+    def cpu(pid: int) -> float:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().split(") ")[-1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    before = {p: cpu(p) for p in pids}
+    time.sleep(3.0)
+    used = {p: (cpu(p) - before[p]) / 3.0 for p in pids}
+    assert all(u < 0.15 for u in used.values()), used  # well under a core each
+
+
+@pytest.mark.timeout(180)
+def test_silent_peer_times_out_and_reads_fall_back_to_the_source(src_tree, tmp_path, mount_factory):
+    """A holder that stops answering (SIGSTOP) costs one peer timeout, then the source serves."""
+    dest = _prep(src_tree, tmp_path)
+    expected = expected_from_source(snapshot(src_tree)[0])
+    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=3,
+                      extra_args=["--peer-timeout", "2"])
+    st = m.state()
+    assert st is not None
+    os.kill(st.pids[2], signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        for mp in m.mountpoints[:2]:
+            _check_tree(expected, mp)
+        assert time.monotonic() - t0 < 120
+    finally:
+        os.kill(st.pids[2], signal.SIGCONT)
+    assert "did not answer" in m.log_text()
+    assert "source partition" in m.log_text()
+
+
+@pytest.mark.timeout(120)
+def test_killed_rank_gives_an_errno_not_a_hang_and_umount_cleans_up(src_tree, tmp_path, mount_factory):
+    """SIGKILL of one rank: MPICH's hydra launcher then ends the others too (see
+    docs/reliability.md), so readers must get correct bytes or an errno quickly, and umount
+    must still clean every rank."""
+    dest = _prep(src_tree, tmp_path)
+    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=3,
+                      local=str(tmp_path / "local" / "{rank}"), extra_args=["--peer-timeout", "2"])
+    st = m.state()
+    assert st is not None
+    os.kill(st.pids[2], signal.SIGKILL)
+    t0 = time.monotonic()
+    src = snapshot(src_tree)[0]
+    for rel, meta in src.items():
+        if meta.kind != "-":
+            continue
+        try:
+            with open(os.path.join(os.fsencode(m.mountpoints[0]), rel), "rb") as f:
+                data = f.read()
+        except OSError:
+            continue  # an errno is an acceptable answer; wrong bytes are not
+        assert data == (src_tree / os.fsdecode(rel)).read_bytes()
+    assert time.monotonic() - t0 < 60
+    m.umount()
+    assert not [mp for mp in m.mountpoints if os.path.ismount(mp)]
+    assert not list((tmp_path / "local").glob("*/*"))
