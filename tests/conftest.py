@@ -66,3 +66,31 @@ def mount_factory(state_dir: Path, tmp_path: Path):
 def src_tree(tmp_path: Path) -> Path:
     """A varied source tree (see `_harness.build_tree`), chunk size 1 MiB in mind."""
     return _harness.build_tree(tmp_path / "src")
+
+
+HUGE_SIZE = (9 << 29) + 12345  # 4.5 GiB + a bit
+
+
+@pytest.fixture(scope="session")
+def huge_dest(tmp_path_factory: pytest.TempPathFactory):
+    """A prepped dataset with one sparse 4.5 GiB file ("huge": zeros, b"at 4 GiB" at 4 GiB,
+    b"tail!" at the end), 64 MiB chunks, zstd level 1. Prepped once per session (~10-15 s on 2
+    cores: reading the holes and compressing zeros). Returns (dest, size, PrepResult, seconds)."""
+    import time
+
+    from fanstore_fuse import PrepOptions, prep
+
+    base = tmp_path_factory.mktemp("huge")
+    src = base / "src"
+    src.mkdir()
+    with open(src / "huge", "wb") as f:
+        f.truncate(HUGE_SIZE)
+        f.seek(HUGE_SIZE - 5)
+        f.write(b"tail!")
+        f.seek(4 << 30)
+        f.write(b"at 4 GiB")
+    t0 = time.perf_counter()
+    res = prep(src, base / "dest", PrepOptions(partitions=2, chunk_size=64 << 20, level=1))
+    dt = time.perf_counter() - t0
+    (src / "huge").unlink()
+    return base / "dest", HUGE_SIZE, res, dt

@@ -372,3 +372,63 @@ def test_demo_script():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "demo: OK" in r.stdout and "no mount and no local copy left behind" in r.stdout
     assert set(fuse_mounts()) - before == set()
+
+
+def test_large_directory_listing(tmp_path: Path, mount_factory):
+    """Listings longer than one readdir batch come back complete, in order, with attributes."""
+    src = tmp_path / "src"
+    d = src / "many"
+    d.mkdir(parents=True)
+    names = [f"f{k:05d}" + ("" if k % 7 else " odd ✓") for k in range(3000)]
+    for n in names:
+        (d / n).write_bytes(n.encode())
+    dest = prep_cli(src, tmp_path / "dest", "-p", "2")
+    m = mount_factory(dest)
+    listed = os.listdir(m.path / "many")
+    assert listed == sorted(names, key=os.fsencode) and len(listed) == 3000
+    with os.scandir(m.path / "many") as it:
+        sizes = {e.name: e.stat(follow_symlinks=False).st_size for e in it}
+    assert sizes == {n: len(n.encode()) for n in names}
+    assert (m.path / "many" / names[2999]).read_bytes() == names[2999].encode()
+    assert os.stat(m.path / "many").st_nlink == 2
+
+
+def test_small_file_blob_fetched_once_per_open(tmp_path: Path, mount_factory):
+    """Many small O_DIRECT reads of one single-blob file hit the daemon's blob cache: the blob
+    is read and verified once, not once per request."""
+    import mmap
+
+    src = tmp_path / "src"
+    src.mkdir()
+    data = os.urandom(300 * 1024)
+    (src / "small.bin").write_bytes(data)
+    dest = prep_cli(src, tmp_path / "dest", "-p", "1")
+    m = mount_factory(dest)
+    before = status_totals(m.status())
+    fd = os.open(m.path / "small.bin", os.O_RDONLY | os.O_DIRECT)
+    buf = mmap.mmap(-1, 4096)
+    got = bytearray()
+    try:
+        for off in range(0, len(data), 4096):
+            n = os.preadv(fd, [buf], off)
+            got += buf[:n]
+    finally:
+        os.close(fd)
+    assert bytes(got) == data
+    after = status_totals(m.status())
+    reads = after["local_reads"] + after.get("remote_reads", 0) - before["local_reads"] - before.get(
+        "remote_reads", 0)
+    assert reads == 1, (before, after)
+    assert after["cache_hits"] - before["cache_hits"] >= 70
+
+
+@pytest.mark.timeout(180)
+def test_file_larger_than_4gib_through_the_mount(huge_dest, mount_factory):
+    dest, size, _res, _dt = huge_dest
+    m = mount_factory(dest)
+    p = m.path / "huge"
+    assert os.stat(p).st_size == size
+    assert _pread_all(p, 4 << 30, 8) == b"at 4 GiB"
+    assert _pread_all(p, size - 5, 100) == b"tail!"
+    assert _pread_all(p, (4 << 30) - 4, 12) == bytes(4) + b"at 4 GiB"
+    assert _pread_all(p, size, 10) == b""

@@ -235,29 +235,18 @@ def test_directory_with_many_entries(tmp_path: Path):
 
 
 @pytest.mark.timeout(180)
-def test_file_larger_than_4gib(tmp_path: Path):
-    """A sparse 4.5 GiB file (zeros compress fast) with 64 MiB chunks: sizes and offsets past
-    2**32 survive the 32-bit blob columns, and chunks read back exactly."""
-    src = tmp_path / "src"
-    src.mkdir()
-    size = (9 << 29) + 12345  # 4.5 GiB + a bit
-    with open(src / "huge", "wb") as f:
-        f.truncate(size)
-        f.seek(size - 5)
-        f.write(b"tail!")
-        f.seek(4 << 30)
-        f.write(b"at 4 GiB")
+def test_file_larger_than_4gib(huge_dest):
+    """A sparse 4.5 GiB file (zeros compress fast) with 64 MiB chunks (conftest `huge_dest`):
+    sizes and offsets past 2**32 survive, and chunks read back exactly."""
+    dest, size, res, dt = huge_dest
     chunk = 64 << 20
-    t0 = time.perf_counter()
-    res = prep(src, tmp_path / "dest", PrepOptions(partitions=2, chunk_size=chunk, level=1))
-    dt = time.perf_counter() - t0
     m = res.manifest
     ns = Namespace(m)
     i = ns.resolve(b"huge")
     r = ns.record(i)
     assert r.size == size and r.count == -(-size // chunk)
     assert res.stored_bytes < 64 << 20  # zeros compress
-    store = BlobStore(m, str(tmp_path / "dest"))
+    store = BlobStore(m, str(dest))
     try:
         blobs = ns.blobs(i)
         k4 = (4 << 30) // chunk
