@@ -355,7 +355,10 @@ def render(results: dict) -> str:
     sm = results.get("scale_model", {})
     out += ["", "#### Scale model", ""]
     if "summary" in sm and sm["summary"]:
-        out += ["```", f"$ python {sm.get('cmd', '')}", sm["summary"][-4000:], "```"]
+        summary = "\n".join(
+            ln for ln in sm["summary"].splitlines() if not ln.lstrip().startswith("{")
+        )  # the JSON line is in results.json
+        out += ["```", f"$ python {sm.get('cmd', '')}", summary[-12000:].strip("\n"), "```"]
     if "error" in sm:
         out.append(f"scale model: {sm['error']}")
     td = results.get("teardown", {})

@@ -54,12 +54,24 @@ def measure(
             # first, while no daemon has cached a remote blob (their caches survive drop_caches)
             res["remote"] = measure_remote(system, ds, cfg, results)
         reads: dict = {}
+        multi = getattr(system, "ranks", 1) > 1
+        repeat = cfg.multi_repeat if multi else cfg.repeat
         for wl in WORKLOADS:
             files = getattr(ds, wl)
+            if multi:
+                files = _subset(files, cfg.multi_max_files)
+                if len(files) < len(getattr(ds, wl)):
+                    res.setdefault("subset", {})[wl] = len(files)
             unit = "MB_per_s" if wl == "large" else "files_per_s"
             for r in cfg.readers:
                 samples: dict[str, list[dict]] = {"cold": [], "warm": []}
-                for rep in range(cfg.repeat):
+                if _over_budget(cfg):
+                    for temp in ("cold", "warm"):
+                        reads.setdefault(wl, {}).setdefault(temp, {})[str(r)] = {
+                            "error": f"skipped (time budget {cfg.budget:.0f} s spent)"}
+                    log(f"{system.label}: {wl} {r} reader(s) skipped: time budget spent")
+                    continue
+                for rep in range(repeat):
                     for temp in ("cold", "warm"):
                         samples[temp].append(_timed_with_counters(system, partial(
                             _workload.read_rate, root, files, r, cold=temp == "cold",
@@ -71,7 +83,7 @@ def measure(
                     reads.setdefault(wl, {}).setdefault(temp, {})[str(r)] = out
                     log(f"{system.label}: {wl:5s} {temp} {r} reader(s): {_fmt(out, unit)} "
                         f"{'MB/s' if wl == 'large' else 'files/s'}"
-                        + (f" (median of {out.get('samples')})" if cfg.repeat > 1 else ""))  # fmt: skip
+                        + (f" (median of {out.get('samples')})" if repeat > 1 else ""))  # fmt: skip
         res["reads"] = reads
     except KeyboardInterrupt:
         raise
@@ -139,7 +151,7 @@ def measure_remote(system, ds, cfg, results) -> dict:
     for r in cfg.readers:
         for temp in ("cold", "warm"):
             samples = []
-            for rep in range(cfg.repeat):
+            for rep in range(cfg.multi_repeat):
                 m = _timed_with_counters(system, lambda rep=rep, r=r, temp=temp: _workload.read_rate(
                     system.root, files, r, cold=temp == "cold", seed=cfg.seed + rep, large=True,
                     timeout=cfg.timeout,
@@ -170,11 +182,13 @@ def measure_remote(system, ds, cfg, results) -> dict:
         f" MB/s ({out['note']})")  # fmt: skip
     # symmetric small-file reads, one reader per rank on its own mount
     mps = system.mountpoints
-    shares = _workload.make_shares("", ds.small, len(mps), cfg.seed, split_large=False)
+    small = _subset(ds.small, cfg.multi_max_files)
+    out["symmetric_files"] = len(small)
+    shares = _workload.make_shares("", small, len(mps), cfg.seed, split_large=False)
     shares = [[(os.path.join(mp, p), o, n) for p, o, n in sh] for mp, sh in zip(mps, shares)]
     for temp in ("cold", "warm"):
         samples = []
-        for _ in range(cfg.repeat):
+        for _ in range(cfg.multi_repeat):
             def run(temp=temp):
                 dropped = _workload.drop_caches() if temp == "cold" else False
                 res = _workload.run_parallel("read", shares, cfg.timeout)
@@ -190,6 +204,18 @@ def measure_remote(system, ds, cfg, results) -> dict:
         f"{_fmt(sym, 'files_per_s_per_node')} files/s per node, remote fraction "
         f"{sym.get('remote_byte_fraction', float('nan')):.2f}")  # fmt: skip
     return out
+
+
+def _subset(files: list, n: int | None) -> list:
+    """A deterministic, evenly spread subset of at most n files (all when n is None)."""
+    if not n or len(files) <= n:
+        return list(files)
+    step = len(files) / n
+    return [files[int(i * step)] for i in range(n)]
+
+
+def _over_budget(cfg) -> bool:
+    return bool(cfg.budget) and time.perf_counter() - cfg.t_start > cfg.budget
 
 
 def _num_get(d, *path):
@@ -254,6 +280,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="repetitions of every read measurement, median reported "
                     "(default: quick 2, full 3, tiny 1)")  # fmt: skip
     ap.add_argument("--timeout", type=float, default=None, help="per measurement, seconds")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds after which remaining read measurements are skipped "
+                    "(default: quick 240, otherwise none)")  # fmt: skip
+    ap.add_argument("--multi-files", type=int, default=1000,
+                    help="quick mode: files per tree the multi-rank mount reads")  # fmt: skip
     ap.add_argument("--scale-timeout", type=float, default=120)
     ap.add_argument("--work", default=None, help="scratch dir (default: a fresh dir in /tmp)")
     ap.add_argument("--out", default=str(OUT))
@@ -264,12 +295,18 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ap.parse_args(argv)
     cfg.readers = [int(x) for x in cfg.readers.split(",") if x]
     cfg.repeat = cfg.repeat or {"tiny": 1, "quick": 2, "full": 3}[cfg.mode]
+    # the multi-rank mount is the slowest system: in quick mode it reads an evenly spread subset
+    # once, and any measurement that would start after the time budget is skipped (reported)
+    cfg.multi_repeat = cfg.repeat if cfg.mode == "full" else 1
+    cfg.multi_max_files = None if cfg.mode == "full" else cfg.multi_files
+    if cfg.budget is None:
+        cfg.budget = {"tiny": 0, "quick": 240, "full": 0}[cfg.mode]
+    cfg.t_start = t_start = time.perf_counter()
     cfg.timeout = cfg.timeout or {"tiny": 60, "quick": 180, "full": 900}[cfg.mode]
     wanted = [s.strip() for s in cfg.systems.split(",") if s.strip()]
     out_dir = Path(cfg.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     install_signal_handlers()
-    t_start = time.perf_counter()
 
     params = _datasets.PRESETS[cfg.mode]
     if cfg.mode != "full":
@@ -298,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
             "partitions": cfg.partitions,
             "readers": cfg.readers,
             "repeat": cfg.repeat,
+            "multi_rank_repeat": cfg.multi_repeat,
+            "multi_rank_max_files": cfg.multi_max_files,
+            "budget_s": cfg.budget,
             "argv": sys.argv[1:] if argv is None else argv,
             "dataset": {
                 "root": str(ds.root),
