@@ -77,13 +77,9 @@ def has_ranks_option(env: dict[str, str]) -> bool:
 
 
 def fuse_mounts() -> set[str]:
-    out = set()
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            pre, _, post = line.partition(" - ")
-            if post.split()[:1] and post.split()[0].startswith("fuse"):
-                out.add(pre.split()[4].encode().decode("unicode_escape"))
-    return out
+    from fanstore_fuse._mountctl import fuse_mounts as table
+
+    return set(table())
 
 
 def read_back(src: Path, mounts: list[Path]) -> tuple[int, int, float, list[str]]:

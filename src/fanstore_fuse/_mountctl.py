@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -97,15 +98,20 @@ def find_state(mountpoint: str) -> MountState | None:
 def fuse_mounts() -> dict[str, str]:
     """Mountpoint -> fstype for FUSE mounts, from /proc/self/mountinfo (works on dead mounts)."""
     out: dict[str, str] = {}
-    with open("/proc/self/mountinfo") as f:
+    with open("/proc/self/mountinfo", "rb") as f:
         for line in f:
-            pre, _, post = line.partition(" - ")
+            pre, _, post = line.partition(b" - ")
             fields = pre.split()
-            fstype = post.split()[0] if post else ""
+            fstype = os.fsdecode(post.split()[0]) if post.split() else ""
             if fstype.startswith("fuse"):
-                mp = fields[4].encode().decode("unicode_escape")
-                out[mp] = fstype
+                out[_unescape_mountinfo(fields[4])] = fstype
     return out
+
+
+def _unescape_mountinfo(field: bytes) -> str:
+    """The kernel escapes space, tab, newline and backslash as \\ooo; other bytes are raw (so
+    non-ASCII paths are their UTF-8 or whatever bytes, decoded like any path here)."""
+    return os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), field))
 
 
 def is_mounted(mountpoint: str) -> bool:
