@@ -7,6 +7,7 @@ hashed with xxh3-64 and a fixed seed.
 from __future__ import annotations
 
 import os
+import re
 import stat
 import struct
 import sys
@@ -38,6 +39,9 @@ CODEC_RAW, CODEC_ZSTD, CODEC_ZSTD_DICT = 0, 1, 2
 CODEC_NAMES = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd", CODEC_ZSTD_DICT: "zstd+dict"}
 DEFAULT_CHUNK_SIZE = 4 << 20
 MAX_CHUNK_SIZE = 64 << 20
+# Partition files are named part-%05d.fsp / bcast-%05d.fsp (docs/format.md). Anything else could
+# collide with the manifest, the local-dir marker or a staging temp file in the node-local dir.
+PARTITION_NAME_RE = re.compile(r"(part|bcast)-[0-9]{5,10}\.fsp")
 
 # Entry and blob columns: name -> array typecode (little-endian on disk).
 ENTRY_COLUMNS = {
@@ -240,8 +244,10 @@ def validate_manifest(m: Manifest) -> None:
     off = m.name_off
     if off[0] != 0 or off[n] != len(m.names):
         raise FormatError("manifest name table is inconsistent")
+    if any(off[i] > off[i + 1] for i in range(n)):
+        raise FormatError("manifest name table is inconsistent (offsets decrease)")
     for i, p in enumerate(m.partitions):
-        if not p.name or "/" in p.name or p.name in (".", "..") or "\0" in p.name:
+        if not PARTITION_NAME_RE.fullmatch(p.name):
             raise FormatError(f"partition {i} has an unsafe file name {p.name!r}")
         if p.size < PARTITION_DATA_START:
             raise FormatError(f"partition {i} size {p.size} is too small")
@@ -253,6 +259,10 @@ def validate_manifest(m: Manifest) -> None:
     if not 4096 <= chunk <= MAX_CHUNK_SIZE:
         raise FormatError(f"chunk size {chunk} out of range")
     children_total = 0
+    raw = b["raw"]
+    raw_before = array("Q", [0])  # prefix sums: a file's size check is O(1), not O(its blobs)
+    for j in range(nb):
+        raw_before.append(raw_before[-1] + raw[j])
     for i in range(n):
         k = kind[i]
         md = mode[i]
@@ -279,14 +289,15 @@ def validate_manifest(m: Manifest) -> None:
             b0, bn = first[i], count[i]
             if b0 + bn > nb:
                 raise FormatError(f"file entry {i} names blobs beyond the blob table")
-            raw = b["raw"]
-            if sum(raw[j] for j in range(b0, b0 + bn)) != size[i]:
+            if raw_before[b0 + bn] - raw_before[b0] != size[i]:
                 raise FormatError(f"file entry {i}: size {size[i]} does not match its blobs")
         elif k == KIND_LINK:
             if not stat.S_ISLNK(md):
                 raise FormatError(f"entry {i}: kind/mode mismatch")
             if first[i] + size[i] > len(m.links) or size[i] == 0:
                 raise FormatError(f"symlink entry {i} target out of range")
+            if b"\0" in m.links[first[i] : first[i] + size[i]]:
+                raise FormatError(f"symlink entry {i} target contains NUL")
         else:
             raise FormatError(f"entry {i} has unknown kind {k}")
         if i:
@@ -375,9 +386,11 @@ class BlobCodec:
     def __init__(self, zdict: bytes = b""):
         self._zdict = zstandard.ZstdCompressionDict(zdict) if zdict else None
 
-    def decode(self, stored: bytes, codec: int, raw_len: int, digest: int, where: str) -> bytes:
+    def decode(
+        self, stored: bytes | memoryview, codec: int, raw_len: int, digest: int, where: str
+    ) -> bytes:
         if codec == CODEC_RAW:
-            raw = stored
+            raw = stored if isinstance(stored, bytes) else bytes(stored)
         else:
             try:
                 if codec == CODEC_ZSTD_DICT:
