@@ -1,0 +1,73 @@
+"""Crash recovery: rescue the written files of a local dir whose daemon is gone (e.g. SIGKILL).
+
+Pure library code. The journal is replayed read-only (nothing in the local dir is changed);
+every file closed (or fsync'd) before the crash, whose bytes still match the recorded xxh3, is
+staged out exactly as `_stageout.stage_out` does; files open for writing at the crash are
+reported in `unclosed` (optionally salvaged, unverified, under `out_dir/.fanstore-unclosed/`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+
+from ._errors import FanstoreError
+from ._mountctl import LOCAL_MARKER, _is_ours, pid_alive
+from ._stageout import StageFailure, StageOutSummary, stage_out
+from ._writes import JOURNAL_NAME, WriteStore
+
+UNCLOSED_DIR = ".fanstore-unclosed"
+
+
+def owner_pid(local_dir: str) -> int:
+    """The pid recorded in the local dir's marker if that daemon still runs, else 0."""
+    try:
+        with open(os.path.join(local_dir, LOCAL_MARKER)) as f:
+            pid = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+    if pid != os.getpid() and pid_alive(pid) and _is_ours(pid):
+        return pid
+    return 0
+
+
+def recover(
+    local_dir: str,
+    out_dir: str,
+    workers: int = 4,
+    force: bool = False,
+    salvage_unclosed: bool = False,
+    verify_dest: bool = True,
+) -> StageOutSummary:
+    """Stage out every closed file of a dead daemon's local dir; see the module docstring.
+
+    Raises FanstoreError when `local_dir` has no write journal or a live daemon still owns it
+    (unless `force`). The summary's `ok` is False if any closed file could not be saved;
+    unclosed files do not make it fail (they are listed in `unclosed`).
+    """
+    local_dir = os.path.abspath(local_dir)
+    if not os.path.exists(os.path.join(local_dir, "writes", JOURNAL_NAME)):
+        raise FanstoreError(f"{local_dir} holds no written files (no writes/{JOURNAL_NAME})")
+    pid = owner_pid(local_dir)
+    if pid and not force:
+        raise FanstoreError(
+            f"{local_dir} belongs to running daemon pid {pid}: use `fanstore-fuse umount "
+            "--stage-out` instead (or force)"
+        )
+    store = WriteStore(local_dir, readonly=True)
+    try:
+        summary = stage_out([store], out_dir, workers, verify_dest, unclosed_is_failure=False)
+        if salvage_unclosed:
+            for u in summary.unclosed:
+                dest = os.path.join(out_dir, UNCLOSED_DIR, u.path)
+                try:
+                    os.makedirs(os.path.dirname(dest), exist_ok=True)
+                    shutil.copyfile(u.local, dest)
+                except OSError as e:
+                    summary.failures.append(StageFailure(u.path, f"salvage: {e.strerror}", u.local))
+                    with contextlib.suppress(OSError):
+                        os.unlink(dest)
+    finally:
+        store.close_store()
+    return summary

@@ -1,0 +1,261 @@
+"""Stage-out: copy every committed written file out of node-local write stores, verified.
+
+Pure library code: no FUSE, no MPI. Each rank stages its own store(s) (in parallel across
+ranks); within a rank, `workers` threads copy files. Every file goes to a temporary name in its
+destination directory, is checked against the size and xxh3-64 recorded when it was last
+closed (the bytes read from the local copy, and by default the destination re-read after
+fsync), gets its mode and mtime, and only then is renamed over the final name. Nothing local is
+ever removed here: the caller removes a local directory only when the summary is `ok`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import stat
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import xxhash
+
+from ._errors import FanstoreError
+from ._format import HASH_SEED
+from ._writes import CHUNK, CommitInfo, WriteStore
+
+log = logging.getLogger("fanstore_fuse.stageout")
+
+TMP_PREFIX = ".fanstore-tmp."
+_tmp_counter = itertools.count()
+
+
+@dataclass
+class StageFailure:
+    path: str  # mount-relative
+    reason: str
+    local: str = ""  # where the bytes still are
+
+
+@dataclass
+class Unclosed:
+    path: str
+    size: int  # bytes on local disk
+    reason: str
+    local: str = ""
+
+
+@dataclass
+class StageOutSummary:
+    files: int = 0
+    bytes: int = 0
+    dirs: int = 0
+    seconds: float = 0.0
+    failures: list[StageFailure] = field(default_factory=list)
+    unclosed: list[Unclosed] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def line(self) -> str:
+        s = (f"staged out {self.files} files, {self.bytes} bytes, {self.dirs} directories "
+             f"in {self.seconds:.2f} s")
+        if self.unclosed:
+            s += f"; {len(self.unclosed)} unclosed"
+        if self.failures:
+            s += f"; {len(self.failures)} FAILED (local copies kept)"
+        return s
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "files": self.files, "bytes": self.bytes, "dirs": self.dirs, "seconds": self.seconds,
+            "ok": self.ok,
+            "failures": [f.__dict__ for f in self.failures],
+            "unclosed": [u.__dict__ for u in self.unclosed],
+            "warnings": list(self.warnings),
+        }
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _dest(out_dir: str, rel: bytes) -> str:
+    return os.path.join(out_dir, os.fsdecode(rel))
+
+
+def copy_verified(src: str, commit: CommitInfo, dest: str, verify_dest: bool = True) -> int:
+    """Copy the committed version of `src` to `dest` via a temporary name; returns bytes.
+
+    Raises _Mismatch when the local bytes are not the committed ones, OSError on I/O errors;
+    the temporary file is removed on any failure and `dest` is untouched.
+    """
+    d = os.path.dirname(dest) or "."
+    tmp = os.path.join(d, f"{TMP_PREFIX}{os.getpid()}.{next(_tmp_counter)}")
+    sfd = os.open(src, os.O_RDONLY)
+    try:
+        actual = os.fstat(sfd).st_size
+        if actual != commit.size:
+            raise _Mismatch(f"local copy has {actual} bytes, {commit.size} were committed "
+                            "(changed after its last close)")
+        dfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            h = xxhash.xxh3_64(seed=HASH_SEED)
+            off = 0
+            while off < commit.size:
+                data = os.pread(sfd, min(CHUNK, commit.size - off), off)
+                if not data:
+                    raise _Mismatch(f"local copy ended at {off} bytes, {commit.size} committed")
+                h.update(data)
+                mv = memoryview(data)
+                while mv:
+                    mv = mv[os.write(dfd, mv):]
+                off += len(data)
+            if h.intdigest() != commit.xxh3:
+                raise _Mismatch("local copy does not match its committed xxh3 (changed after close)")
+            os.fsync(dfd)
+            os.fchmod(dfd, stat.S_IMODE(commit.mode))
+        finally:
+            os.close(dfd)
+        if verify_dest:
+            h = xxhash.xxh3_64(seed=HASH_SEED)
+            n = 0
+            with open(tmp, "rb") as f:
+                while chunk := f.read(CHUNK):
+                    h.update(chunk)
+                    n += len(chunk)
+            if n != commit.size or h.intdigest() != commit.xxh3:
+                raise _Mismatch("the copy read back from the destination does not match")
+        os.utime(tmp, ns=(commit.mtime_ns, commit.mtime_ns))
+        os.replace(tmp, dest)
+        return commit.size
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    finally:
+        os.close(sfd)
+
+
+def _fsync_dir(path: str) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def stage_out(
+    stores_or_local_dirs: list[WriteStore | str] | WriteStore | str,
+    out_dir: str,
+    workers: int = 4,
+    verify_dest: bool = True,
+    unclosed_is_failure: bool = True,
+) -> StageOutSummary:
+    """Copy every committed written file of the given stores into `out_dir` (see the module doc).
+
+    A local dir given as a string is opened read-only (its journal replayed). Files never
+    closed, or changed after their last close, are failures (`unclosed_is_failure`, the umount
+    case: the local copy is kept) or only reported in `unclosed` (the recover case).
+    """
+    t0 = time.monotonic()
+    if isinstance(stores_or_local_dirs, WriteStore | str):
+        stores_or_local_dirs = [stores_or_local_dirs]
+    out_dir = os.path.abspath(out_dir)
+    summary = StageOutSummary()
+    os.makedirs(out_dir, exist_ok=True)
+    seen: dict[bytes, str] = {}
+    jobs: list[tuple[bytes, str, CommitInfo, str]] = []
+    dirs: list[tuple[bytes, int, int, bool]] = []
+    opened: list[WriteStore] = []
+    try:
+        for src in stores_or_local_dirs:
+            if isinstance(src, str):
+                if not os.path.exists(os.path.join(src, "writes")):
+                    summary.warnings.append(f"{src}: no written files")
+                    continue
+                store = WriteStore(src, readonly=True)
+                opened.append(store)
+            else:
+                store = src
+            summary.warnings.extend(store.warnings)
+            label = store.local_dir
+            for rel, rec, commit, data in store.walk():
+                if rec.is_dir:
+                    dirs.append((rel, rec.mode, rec.mtime_ns, store.is_shadow(rel)))
+                    continue
+                assert data is not None
+                if rel in seen:
+                    summary.failures.append(StageFailure(
+                        os.fsdecode(rel), f"written on two ranks ({seen[rel]} and {label})", data))
+                    continue
+                seen[rel] = label
+                dirty = store.is_dirty(rel) if not store.readonly else commit is None
+                if commit is None or (dirty and not store.readonly):
+                    size = os.path.getsize(data) if os.path.exists(data) else 0
+                    reason = "never closed" if commit is None else "changed after its last close"
+                    u = Unclosed(os.fsdecode(rel), size, reason, data)
+                    if unclosed_is_failure:
+                        summary.failures.append(StageFailure(u.path, reason, data))
+                    else:
+                        summary.unclosed.append(u)
+                    continue
+                jobs.append((rel, data, commit, label))
+        made_dirs: set[str] = {out_dir}
+        for rel, _mode, _mtime, _shadow in dirs:
+            p = _dest(out_dir, rel)
+            try:
+                os.makedirs(p, exist_ok=True)
+                made_dirs.add(p)
+            except OSError as e:
+                summary.failures.append(StageFailure(os.fsdecode(rel), f"mkdir: {e.strerror}"))
+
+        def one(job: tuple[bytes, str, CommitInfo, str]) -> tuple[bytes, int, str | None, bool]:
+            rel, data, commit, _label = job
+            dest = _dest(out_dir, rel)
+            try:
+                os.makedirs(os.path.dirname(dest), exist_ok=True)
+                return rel, copy_verified(data, commit, dest, verify_dest), None, False
+            except _Mismatch as e:
+                return rel, 0, str(e), True
+            except OSError as e:
+                return rel, 0, f"{e.strerror or e}", False
+
+        by_rel = {j[0]: j for j in jobs}
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            for rel, n, err, mismatch in pool.map(one, jobs):
+                if err is None:
+                    summary.files += 1
+                    summary.bytes += n
+                elif mismatch and not unclosed_is_failure:
+                    data = by_rel[rel][1]
+                    size = os.path.getsize(data) if os.path.exists(data) else 0
+                    summary.unclosed.append(Unclosed(os.fsdecode(rel), size, err, data))
+                else:
+                    summary.failures.append(StageFailure(os.fsdecode(rel), err, by_rel[rel][1]))
+        # Directory modes and mtimes last (deepest first), so a read-only dir can still be filled.
+        for rel, mode, mtime, shadow in sorted(dirs, key=lambda t: -t[0].count(b"/")):
+            p = _dest(out_dir, rel)
+            _fsync_dir(p)
+            if shadow:
+                continue
+            try:
+                os.chmod(p, stat.S_IMODE(mode))
+                os.utime(p, ns=(mtime, mtime))
+            except OSError as e:
+                summary.failures.append(StageFailure(os.fsdecode(rel), f"set attributes: {e.strerror}"))
+            summary.dirs += 1
+        _fsync_dir(out_dir)
+    except FanstoreError as e:
+        summary.failures.append(StageFailure("", str(e)))
+    finally:
+        for s in opened:
+            s.close_store()
+    summary.seconds = time.monotonic() - t0
+    for f in summary.failures:
+        log.error("stage-out %s: %s (local copy kept at %s)", f.path, f.reason, f.local)
+    return summary
