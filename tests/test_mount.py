@@ -72,7 +72,7 @@ def test_whole_tree_matches_source(src_tree: Path, dest: Path, tmp_path: Path, m
     assert (local / MANIFEST_NAME).exists()
     pids = m.pids()
     assert pids and all(_mountctl.pid_alive(p) for p in pids)
-    m.umount()
+    assert m.umount().stderr.startswith("unmounted:")
     assert not os.path.ismount(m.path)
     assert str(m.path) not in fuse_mounts()
     assert not local.exists()
@@ -238,7 +238,7 @@ def test_stale_mount_after_sigkill(src_tree: Path, dest: Path, tmp_path: Path, s
             os.stat(mp / "empty")
         assert ei.value.errno in (errno.ENOTCONN, errno.ECONNABORTED)
         r = m.umount()
-        assert "stale" in r.stderr
+        assert "cleaned stale mount" in r.stderr, r.stderr
         assert str(mp) not in fuse_mounts()
         assert not local.exists()
     assert m.forced == []
@@ -259,7 +259,7 @@ def test_stale_mount_without_state_file(dest: Path, tmp_path: Path, state_dir: P
         for f in state_dir.glob("*.json"):
             f.unlink()
         r = m.umount()
-        assert r.returncode == 0, r.stderr
+        assert r.returncode == 0 and "cleaned stale mount" in r.stderr, r.stderr
         assert str(mp) not in fuse_mounts()
 
 
@@ -446,7 +446,7 @@ def test_odd_mountpoint_name(dest: Path, tmp_path: Path, state_dir: Path):
         for p in m.pids():
             os.kill(p, signal.SIGKILL)
         _wait_dead(m.pids())
-        m.umount()
+        assert "cleaned stale mount" in m.umount().stderr
         assert str(mp) not in fuse_mounts()
     assert m.forced == []
 

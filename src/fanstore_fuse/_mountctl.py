@@ -231,9 +231,9 @@ def umount(mountpoint: str, timeout: float = 15.0) -> UmountResult:
     if st.launcher_pid:
         killed += stop_pids([st.launcher_pid], timeout)
     pids = list(st.pids) + ([st.launcher_pid] if st.launcher_pid else [])
-    for mp in st.mountpoints:
-        lazy_unmount(mp)
+    # A mount still there after its daemon stopped (or died) is a stale one we had to clear.
+    cleared = [mp for mp in st.mountpoints if lazy_unmount(mp)]
     for d in st.local_dirs:
         remove_local_dir(d)
     st.remove()
-    return UmountResult(st.mountpoints, len(pids), len(killed), stale=bool(killed))
+    return UmountResult(st.mountpoints, len(pids), len(killed), stale=bool(killed or cleared))
