@@ -429,6 +429,7 @@ class WriteStore:
                 e.mode = int(r["m"])
             if r.get("t") is not None:
                 e.mtime_ns = int(r["t"])
+            self._attrs_to_commit(e)
         else:
             raise ValueError(f"unknown operation {op!r}")
 
@@ -710,18 +711,27 @@ class WriteStore:
         now = time.time_ns()
         op.mtime_ns = np_.mtime_ns = now
 
+    @staticmethod
+    def _attrs_to_commit(e: _Ent) -> None:
+        """chmod/utimens apply to the committed version too (what peers and stage-out see)."""
+        if e.commit is not None:
+            e.commit = CommitInfo(e.commit.size, e.commit.xxh3, e.mtime_ns, e.mode, e.commit.chunks)
+
     def chmod(self, path: PathLike, mode: int) -> Record:
         with self._lock:
             e = self._entry(path)
-            e.mode = stat.S_IFMT(e.mode) | (mode & 0o7777)
-            self._log({"o": "attr", "k": e.k, "m": e.mode, "t": None}, sync=False)
+            m = stat.S_IFMT(e.mode) | (mode & 0o7777)
+            self._log({"o": "attr", "k": e.k, "m": m, "t": None}, sync=False)
+            e.mode = m
+            self._attrs_to_commit(e)
             return self._record(e)
 
     def utimens(self, path: PathLike, mtime_ns: int) -> Record:
         with self._lock:
             e = self._entry(path)
+            self._log({"o": "attr", "k": e.k, "m": None, "t": int(mtime_ns)}, sync=False)
             e.mtime_ns = int(mtime_ns)
-            self._log({"o": "attr", "k": e.k, "m": None, "t": e.mtime_ns}, sync=False)
+            self._attrs_to_commit(e)
             return self._record(e)
 
     # ------------------------------------------------------------ files
