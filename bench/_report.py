@@ -352,6 +352,21 @@ def render(results: dict) -> str:
     notes = [c for c in results.get("checks", []) if c.get("note") and c["status"] != "n/a"]
     for c in notes:
         out.append(f"- {c['name']}: {c['note']}")
+    profs = [(k, spec, p) for k in keys for spec, p in (S[k].get("profiles") or {}).items()]
+    if profs:
+        out += ["", "#### Profiles (py-spy on the daemons, extra runs; % of active samples)", ""]
+        for k, spec, p in profs:
+            if "error" in p or not p.get("samples"):
+                out.append(f"- {S[k]['label']} `{spec}`: {p.get('error', 'no samples')}")
+                continue
+            unit = "MB/s" if p.get("unit") == "MB_per_s" else "files/s"
+            out.append(f"- **{S[k]['label']} `{spec}`** ({_f(p.get('rate_under_profiler'))} "
+                       f"{unit} under the profiler, {p['samples']:,} samples, "
+                       f"{p.get('waiting_pct', 0)}% of them parked in epoll/condition waits) "
+                       "— self: "
+                       + "; ".join(f"{f} {pc}%" for f, pc in p["self"][:8]))  # fmt: skip
+            incl = [(f, pc) for f, pc in p["inclusive"] if pc < 99.5][:8]
+            out.append("  — inclusive: " + "; ".join(f"{f} {pc}%" for f, pc in incl))
     sm = results.get("scale_model", {})
     out += ["", "#### Scale model", ""]
     if "summary" in sm and sm["summary"]:

@@ -85,6 +85,8 @@ def measure(
                         f"{'MB/s' if wl == 'large' else 'files/s'}"
                         + (f" (median of {out.get('samples')})" if repeat > 1 else ""))  # fmt: skip
         res["reads"] = reads
+        if cfg.profile and system.key.startswith("fanstore"):
+            res["profiles"] = profile_runs(system, ds, cfg)
     except KeyboardInterrupt:
         raise
     except Exception as e:  # noqa: BLE001
@@ -206,6 +208,52 @@ def measure_remote(system, ds, cfg, results) -> dict:
     return out
 
 
+def profile_runs(system, ds, cfg) -> dict:
+    """Extra runs of the workloads in --profile, with py-spy on every daemon of the mount."""
+    from . import _profile
+
+    out: dict = {}
+    marker = str(Path(system.mountpoints[0]).parent if system.ranks > 1 else system.mountpoints[0])
+    pids = _profile.daemon_pids(marker)
+    prof_dir = Path(cfg.out) / "profiles"
+    prof_dir.mkdir(parents=True, exist_ok=True)
+    for spec in cfg.profile:
+        if _over_budget(cfg):
+            out[spec] = {"error": "skipped (time budget spent)"}
+            continue
+        try:
+            wl, temp, r = spec.split(".")
+            files = getattr(ds, wl)
+        except (ValueError, AttributeError):
+            out[spec] = {"error": f"bad --profile spec {spec!r} (want e.g. small.cold.1)"}
+            continue
+        if system.ranks > 1:
+            files = _subset(files, cfg.multi_max_files)
+        if temp == "warm":  # warm means the page cache holds it: read once first
+            _workload.read_rate(system.root, files, int(r), cold=False, large=wl == "large",
+                                timeout=cfg.timeout)  # fmt: skip
+        prefix = prof_dir / f"{system.key}-{spec}"
+        for old in prof_dir.glob(f"{system.key}-{spec}-pid*.txt"):
+            old.unlink()
+        prof = _profile.Profiler(pids, prefix)
+        with prof:
+            m = _workload.read_rate(
+                system.root, files, int(r), cold=temp == "cold", seed=cfg.seed + 999,
+                large=wl == "large", timeout=cfg.timeout,
+            )  # fmt: skip
+        unit = "MB_per_s" if wl == "large" else "files_per_s"
+        entry = {"rate_under_profiler": m.get(unit), "unit": unit, "pids": pids,
+                 "files": [str(f) for f in prof.files]}  # fmt: skip
+        if prof.error:
+            entry["error"] = prof.error
+        else:
+            entry.update(_profile.summarize(prof.files))
+        out[spec] = entry
+        log(f"{system.label}: profiled {spec}: {entry.get('samples', 0)} samples "
+            f"{'(' + entry['error'] + ')' if 'error' in entry else ''}")  # fmt: skip
+    return out
+
+
 def _subset(files: list, n: int | None) -> list:
     """A deterministic, evenly spread subset of at most n files (all when n is None)."""
     if not n or len(files) <= n:
@@ -289,11 +337,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default=None, help="scratch dir (default: a fresh dir in /tmp)")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--profile", nargs="?", const="small.cold.1,small.warm.1,large.warm.1",
+                    default=None, help="py-spy the fanstore-fuse daemons during extra runs of "
+                    "these workloads (default with the flag: small.cold.1,small.warm.1,"
+                    "large.warm.1; on by default in full mode); 'none' to disable")  # fmt: skip
     ap.add_argument("--update-docs", action="store_true",
                     help="write the tables into docs/performance.md between the bench markers")
     ap.set_defaults(mode="quick")
     cfg = ap.parse_args(argv)
     cfg.readers = [int(x) for x in cfg.readers.split(",") if x]
+    if cfg.profile is None and cfg.mode == "full":
+        cfg.profile = "small.cold.1,small.warm.1,large.warm.1"
+    cfg.profile = [] if cfg.profile in (None, "none") else [x for x in cfg.profile.split(",") if x]
     cfg.repeat = cfg.repeat or {"tiny": 1, "quick": 2, "full": 3}[cfg.mode]
     # the multi-rank mount is the slowest system: in quick mode it reads an evenly spread subset
     # once, and any measurement that would start after the time budget is skipped (reported)
