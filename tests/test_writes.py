@@ -491,3 +491,27 @@ WriteModel.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_model = WriteModel.TestCase
+
+
+def test_journal_write_failure_leaves_no_torn_record(tmp_path: Path, monkeypatch) -> None:
+    d = str(tmp_path / "l")
+    s = WriteStore(d)
+    put(s, "a", b"kept")
+    end = s.journal.end
+    real = os.pwrite
+
+    def full(fd, data, off):  # the journal gets half a record in, then the disk is full
+        if fd == s.journal.fd:
+            real(fd, data[: len(data) // 2], off)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, off)
+
+    monkeypatch.setattr(os, "pwrite", full)
+    assert errno_of(s.mkdir, "x") == errno.ENOSPC
+    monkeypatch.setattr(os, "pwrite", real)
+    assert os.path.getsize(os.path.join(d, "writes", JOURNAL_NAME)) == end and not s.exists("x")
+    s.mkdir("y")
+    s.close_store()
+    s = WriteStore(d)
+    assert s.warnings == [] and content(s, "a") == b"kept" and s.exists("y")
+    s.close_store()

@@ -761,14 +761,14 @@ class WriteStore:
                     os.unlink(self._data_path(k))
                 raise
             self._next_k += 1
-            e = _Ent(k, parent.k, name, KIND_FILE, m, u, g, now, dirty=True, fd=fd,
-                     hasher=_Hasher())
-            self._ents[k] = e
+            ent = _Ent(k, parent.k, name, KIND_FILE, m, u, g, now, dirty=True, fd=fd,
+                       hasher=_Hasher())
+            self._ents[k] = ent
             parent.children[name] = k  # type: ignore[index]
             parent.mtime_ns = now
-            fh = self._new_handle(e, flags | os.O_CREAT)
+            fh = self._new_handle(ent, flags | os.O_CREAT)
             self._handles[fh].changed = True  # a new file is committed on close even if empty
-            return fh, self._record(e)
+            return fh, self._record(ent)
 
     def _new_handle(self, e: _Ent, flags: int) -> int:
         acc = flags & os.O_ACCMODE
@@ -1054,7 +1054,7 @@ class WriteStore:
         """Every entry below the root, parents first: (path, record, commit, data file)."""
         with self._lock:
             stack = [0]
-            out = []
+            out: list[tuple[bytes, Record, CommitInfo | None, str | None]] = []
             while stack:
                 d = self._ents[stack.pop()]
                 for name in sorted(d.children, reverse=True):  # type: ignore[arg-type]
