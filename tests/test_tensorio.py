@@ -535,3 +535,33 @@ def test_load_mmap_zero_copy(tmp_path: Path):
     _flip(p, lay.data_offset + 1)
     with pytest.raises(tio.TensorChecksumError):
         tio.load(p, mmap=True)
+
+
+def test_random_shapes_and_dtypes_round_trip(tmp_path: Path):
+    hyp = pytest.importorskip("hypothesis")
+    st = pytest.importorskip("hypothesis.strategies")
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.bool,
+              torch.int64, torch.float64]
+
+    @hyp.settings(max_examples=10, deadline=None, database=None)
+    @hyp.given(
+        specs=st.lists(
+            st.tuples(st.sampled_from(dtypes), st.lists(st.integers(0, 40), max_size=3),
+                      st.booleans()),
+            max_size=6,
+        ),
+        seed=st.integers(0, 2**31 - 1),
+    )
+    def run(specs, seed):
+        g = torch.Generator().manual_seed(seed)
+        ts = []
+        for dt, shape, transpose in specs:
+            t = (torch.rand(shape, generator=g) * 100 - 50).to(dt)
+            if transpose and t.dim() >= 2:
+                t = t.transpose(0, 1)
+            ts.append(t)
+        p = tmp_path / "h.fst"
+        tio.save(ts, p, tool="pread")
+        _assert_same(ts, tio.load(p, tool="pread"))
+
+    run()
