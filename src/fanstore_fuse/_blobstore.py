@@ -65,7 +65,16 @@ class BlobStore:
             raise ChecksumError(f"{self.where(blob)}: partition truncated")
         return data
 
-    def decode(self, blob: int, stored: bytes) -> bytes:
+    def stored_into(self, blob: int, buf: memoryview) -> None:
+        """Read the stored bytes of `blob` into `buf` (exactly its stored size), no extra copy."""
+        try:
+            n = os.preadv(self._fd(self._part[blob]), [buf], self._off[blob])
+        except OSError as e:
+            raise ChecksumError(f"{self.where(blob)}: read failed: {e.strerror}") from None
+        if n != len(buf):
+            raise ChecksumError(f"{self.where(blob)}: partition truncated")
+
+    def decode(self, blob: int, stored: bytes | memoryview) -> bytes:
         """Decode and verify bytes that claim to be `blob` (local or from a peer)."""
         return self.codec.decode(
             stored, self._codec[blob], self._raw[blob], self._xxh[blob], self.where(blob)

@@ -25,6 +25,7 @@ from ._messages import (
     OP_STATUS,
     Frame,
     HandlerTable,
+    frame_buffer,
     pack,
     unpack,
 )
@@ -88,7 +89,7 @@ class ClusterBlobSource:
         self.timeout = timeout
         self.peers = _Peers()
 
-    async def _decode(self, blob: int, stored: bytes) -> bytes:
+    async def _decode(self, blob: int, stored: bytes | memoryview) -> bytes:
         if len(stored) >= self.local.threshold:
             return await trio.to_thread.run_sync(self.store.decode, blob, stored)
         return self.store.decode(blob, stored)
@@ -236,12 +237,14 @@ def serve_handlers(
         blob = req.arg
         if blob >= ns.m.n_blobs or not placement.holds(rank, blob):
             raise NotFound(f"rank {rank} does not hold blob {blob}")
-        if store.stored_size(blob) >= threshold:
-            data = await trio.to_thread.run_sync(store.stored, blob)
+        n = store.stored_size(blob)
+        buf, body = frame_buffer(req.op, req.req_id, blob, n)
+        if n >= threshold:
+            await trio.to_thread.run_sync(store.stored_into, blob, body)
         else:
-            data = store.stored(blob)
+            store.stored_into(blob, body)
         node.stats.extra["served_blobs"] = node.stats.extra.get("served_blobs", 0) + 1
-        return Frame(req.op, req.req_id, blob, data)
+        return buf
 
     async def lookup(src: int, req: Frame) -> Frame:
         return Frame(req.op, req.req_id, body=pack(_rec_to_wire(ns.record(owned_index(req.body)))))

@@ -47,6 +47,7 @@ class MountConfig:
     replicas: int = 1
     warm_metadata: bool = True
     peer_timeout: float = 10.0
+    readahead_kb: int = 1024
 
 
 def fuse_options(cfg: MountConfig) -> set[str]:
@@ -156,6 +157,25 @@ def _mount(cfg: MountConfig, m: _Mounted) -> None:
         opts.add("debug")
     pyfuse3.init(Operations(m.node), m.mountpoint, opts)
     m.mounted = True
+    set_readahead(m.mountpoint, cfg.readahead_kb)
+
+
+def set_readahead(mountpoint: str, kb: int) -> None:
+    """Raise the mount's read-ahead so the kernel sends up to 1 MiB reads instead of 128 KiB
+    (fewer FUSE round trips per large file). Needs root; silently skipped otherwise."""
+    if kb <= 0:
+        return
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if fields[4] == mountpoint:
+                    dev = fields[2]
+            with open(f"/sys/class/bdi/{dev}/read_ahead_kb", "w") as out:
+                out.write(str(kb))
+        log.info("read-ahead of %s set to %d KiB", mountpoint, kb)
+    except (OSError, UnboundLocalError, IndexError) as e:
+        log.info("read-ahead left at the default (%s)", e)
 
 
 async def _serve(node: Node, max_tasks: int, transport=None, warm=None) -> None:

@@ -56,15 +56,25 @@ class Frame:
     op: int
     req_id: int
     arg: int = 0
-    body: bytes = b""
+    body: bytes | memoryview = b""
     err: int = 0
 
     def encode(self) -> bytes:
         if len(self.body) > MAX_BODY:
             raise ProtocolError(f"message body of {len(self.body)} bytes exceeds {MAX_BODY}")
         return HEADER.pack(MAGIC, VERSION, self.op, self.err, self.req_id, self.arg, len(self.body)) + (
-            self.body
+            bytes(self.body)
         )
+
+
+def frame_buffer(op: int, req_id: int, arg: int, body_len: int) -> tuple[bytearray, memoryview]:
+    """A whole frame allocated at once, header filled in; the caller fills the body view.
+    Lets a 4 MiB blob be read from disk straight into the message (no concatenation copy)."""
+    if body_len > MAX_BODY:
+        raise ProtocolError(f"message body of {body_len} bytes exceeds {MAX_BODY}")
+    buf = bytearray(HEADER.size + body_len)
+    HEADER.pack_into(buf, 0, MAGIC, VERSION, op, 0, req_id, arg, body_len)
+    return buf, memoryview(buf)[HEADER.size :]
 
 
 def decode(buf: bytes | bytearray | memoryview) -> Frame:
@@ -80,7 +90,7 @@ def decode(buf: bytes | bytearray | memoryview) -> Frame:
         raise ProtocolError(f"protocol version {version} unsupported")
     if blen != len(buf) - HEADER.size:
         raise ProtocolError(f"body length {blen} does not match frame ({len(buf) - HEADER.size})")
-    return Frame(op, req_id, arg, bytes(buf[HEADER.size :]), err)
+    return Frame(op, req_id, arg, memoryview(buf)[HEADER.size :], err)
 
 
 def request_id_of(buf: bytes | bytearray | memoryview) -> int:
@@ -101,7 +111,7 @@ def unpack(body: bytes) -> Any:
         raise ProtocolError(f"bad msgpack body: {e}") from None
 
 
-Handler = Callable[[int, Frame], Awaitable[Frame]]
+Handler = Callable[[int, Frame], Awaitable["Frame | bytearray"]]
 
 
 class HandlerTable:
@@ -115,7 +125,7 @@ class HandlerTable:
             raise ValueError(f"unknown op {op}")
         self._handlers[op] = handler
 
-    async def dispatch(self, source: int, raw: bytes) -> bytes:
+    async def dispatch(self, source: int, raw: bytes) -> bytes | bytearray:
         """Decode, run the handler, encode the reply; every failure becomes an error reply."""
         try:
             req = decode(raw)
@@ -123,6 +133,8 @@ class HandlerTable:
             if handler is None:
                 raise ProtocolError(f"unknown op {req.op}")
             resp = await handler(source, req)
+            if isinstance(resp, bytearray):  # pre-built by frame_buffer for this request
+                return bytes(resp) if len(resp) < 4096 else resp
             resp.req_id = req.req_id
             resp.op = req.op
             return resp.encode()

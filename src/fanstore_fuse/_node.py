@@ -25,6 +25,7 @@ log = logging.getLogger("fanstore_fuse.node")
 
 THREAD_THRESHOLD = int(os.environ.get("FANSTORE_THREAD_THRESHOLD", str(256 << 10)))
 CACHE_BYTES = int(os.environ.get("FANSTORE_CACHE_BYTES", str(256 << 20)))
+READAHEAD_CHUNKS = int(os.environ.get("FANSTORE_READAHEAD_CHUNKS", "4"))
 
 
 class BlobSource(Protocol):
@@ -151,7 +152,7 @@ class Node:
         source: BlobSource,
         stats: Stats | None = None,
         cache_bytes: int = CACHE_BYTES,
-        readahead: int = 2,
+        readahead: int = READAHEAD_CHUNKS,
         meta: LocalMetadata | None = None,
     ):
         self.ns = ns

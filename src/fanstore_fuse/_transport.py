@@ -36,7 +36,7 @@ log = logging.getLogger("fanstore_fuse.transport")
 
 MAX_IDLE_SLEEP = float(os.environ.get("FANSTORE_MPI_MAX_SLEEP", "0.001"))  # while recently busy
 LONG_IDLE_SLEEP = 0.005  # after about a second without traffic
-SPIN_ROUNDS = 200  # sleep(0) polls after activity before backing off
+SPIN_ROUNDS = 20  # sleep(0) polls after activity before backing off
 MAX_SERVING = 64  # concurrent requests served per daemon
 
 
@@ -67,7 +67,7 @@ class MpiTransport:
         self.bytes_received = 0
         self.requests_in_flight = 0
         self.served = 0
-        self._outq: queue.SimpleQueue[tuple[int, int, bytes, int]] = queue.SimpleQueue()
+        self._outq: queue.SimpleQueue[tuple[int, int, bytes | bytearray, int]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._pending: dict[int, _Waiter] = {}
@@ -105,7 +105,7 @@ class MpiTransport:
         finally:
             limiter.release()
 
-    def _post(self, dest: int, tag: int, data: bytes, req_id: int) -> None:
+    def _post(self, dest: int, tag: int, data: bytes | bytearray, req_id: int) -> None:
         self._outq.put((dest, tag, data, req_id))
         self._wake.set()
 
@@ -162,7 +162,7 @@ class MpiTransport:
         comm = self.comm
         status = MPI.Status()
         sends: list[Any] = []
-        bufs: list[bytes] = []
+        bufs: list[bytes | bytearray] = []
         token = self._token
         assert token is not None
         idle = 0
@@ -204,6 +204,11 @@ class MpiTransport:
                         del bufs[i]
             if busy:
                 idle = 0
+                continue
+            if sends:
+                # A large send moves only while this thread drives progress: keep polling,
+                # without starving the trio thread of the GIL.
+                time.sleep(20e-6)
                 continue
             idle += 1
             if idle < SPIN_ROUNDS:
