@@ -99,6 +99,8 @@ def _short(frame: str) -> str:
     return f"{m.group('func')} ({os.path.basename(f) if '/' in f and 'fanstore' not in f else f})"
 
 
+_ENTRY = ("cli.py", "__main__.py", "serve (fanstore_fuse/_daemon.py")
+
 #: leaf frames that mean "blocked, waiting for work" (a thread parked in epoll or a condition)
 WAIT_LEAVES = {"get_events", "wait", "_wait_for_tstate_lock", "select", "poll", "sleep"}
 
@@ -129,5 +131,9 @@ def summarize(files: list[Path], top: int = 12) -> dict:
         "samples": total,
         "waiting_pct": round(100 * wait / total, 1),
         "self": [(f, round(100 * c / total, 1)) for f, c in self_c.most_common(top)],
-        "inclusive": [(f, round(100 * c / total, 1)) for f, c in incl.most_common(top + 8)],
+        # inclusive time of the project's own functions (entry points and the serve loop left out)
+        "inclusive": [
+            (f, round(100 * c / total, 1)) for f, c in incl.most_common()
+            if "fanstore_fuse/" in f and not any(x in f for x in _ENTRY)
+        ][:top],
     }

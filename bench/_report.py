@@ -272,6 +272,8 @@ def render(results: dict) -> str:
     out: list[str] = []
     out.append(f"### Benchmark: `{meta['mode']}` mode, {meta['date']}")
     out.append("")
+    out.append(f"`python -m bench.run {' '.join(meta.get('argv') or [])}`".replace(" `", "`"))
+    out.append("")
     out.append(
         f"{meta['cpus']} CPUs, kernel {meta['kernel']}, Python {meta['python']}; "
         f"dataset: {ds['files']['small']:,} small files ({ds['bytes']['small'] / 1e6:,.0f} MB), "
