@@ -29,6 +29,7 @@ from ._namespace import Namespace
 from ._node import LocalBlobSource, Node, Stats
 from ._ring import Placement
 from ._stage import stage_in
+from ._writes import WriteStore
 
 log = logging.getLogger("fanstore_fuse.daemon")
 
@@ -48,6 +49,8 @@ class MountConfig:
     warm_metadata: bool = True
     peer_timeout: float = 10.0
     readahead_kb: int = 1024
+    writable: bool = True
+    write_quota: int | None = None
 
 
 def fuse_options(cfg: MountConfig) -> set[str]:
@@ -96,8 +99,12 @@ class _Mounted:
     created_mountpoint: bool = False
     node: Node | None = None
     held: dict[str, int] = field(default_factory=dict)
+    writes: WriteStore | None = None
 
     def teardown(self) -> None:
+        if self.writes is not None:
+            with contextlib.suppress(Exception):
+                self.writes.close_store()
         if self.mounted:
             with contextlib.suppress(Exception):
                 pyfuse3.close(unmount=True)
@@ -106,7 +113,7 @@ class _Mounted:
             if s is not None:
                 s.close()
         if self.local:
-            remove_local_dir(self.local)
+            remove_local_dir(self.local, keep_writes=True)
         if self.created_mountpoint:
             with contextlib.suppress(OSError):
                 os.rmdir(self.mountpoint)
@@ -147,6 +154,8 @@ def _setup(cfg: MountConfig, rank: int, nranks: int, m: _Mounted) -> Placement:
     }
     log.info("rank %d staged %d partitions, %d bytes into %s", rank, res.partitions, res.bytes, m.local)
     m.store = BlobStore(manifest, m.local)
+    if cfg.writable:
+        m.writes = WriteStore(m.local, rank, cfg.write_quota)
     return placement
 
 
@@ -155,7 +164,7 @@ def _mount(cfg: MountConfig, m: _Mounted) -> None:
     opts = fuse_options(cfg)
     if cfg.debug:
         opts.add("debug")
-    pyfuse3.init(Operations(m.node), m.mountpoint, opts)
+    pyfuse3.init(Operations(m.node, writes=m.writes), m.mountpoint, opts)
     m.mounted = True
     set_readahead(m.mountpoint, cfg.readahead_kb)
 
@@ -249,6 +258,7 @@ def serve(cfg: MountConfig) -> int:
                     n = await meta.warm(nranks)
                     log.info("rank %d warmed %d metadata records", rank, n)
         m.node.held = m.held
+        m.node.writes = m.writes
         _mount(cfg, m)
     except FanstoreError as e:
         error = str(e)

@@ -11,17 +11,27 @@ import json
 import logging
 import os
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyfuse3
+import trio
 
-from ._errors import FanstoreError
+from ._errors import FanstoreError, NotFound, ReadOnly
 from ._namespace import Record
 from ._node import Node
+from ._writes import WRITE_INODE_BASE, Exists
+
+if TYPE_CHECKING:
+    from ._writes import WriteStore
 
 log = logging.getLogger("fanstore_fuse.fuse")
 
 ENTRY_TIMEOUT = 3600.0  # the dataset is immutable for the life of the mount
+WRITTEN_TIMEOUT = 1.0  # written files change: cache their attributes briefly
+WRITE_FH = 1 << 62  # file handles at or above this are WriteStore handles
+BIG_WRITE = 64 << 10  # writes and reads of written files above this go to a worker thread
+_QUIET = {errno.ENOENT, errno.ENODATA, errno.EROFS, errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR,
+          errno.ENOTDIR, errno.EACCES, errno.EPERM}
 XATTR_PREFIX = b"user.fanstore."
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
@@ -38,7 +48,7 @@ def _translate(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         except pyfuse3.FUSEError:
             raise
         except FanstoreError as e:
-            if e.errno not in (errno.ENOENT, errno.ENODATA, errno.EROFS):
+            if e.errno not in _QUIET:
                 log.error("%s: %s", fn.__name__, e)
             raise pyfuse3.FUSEError(e.errno) from None
         except Exception:
@@ -56,14 +66,23 @@ def _erofs(name: str) -> Callable[..., Awaitable[Any]]:
     return handler
 
 
+def _is_written(inode: int) -> bool:
+    return inode >= WRITE_INODE_BASE
+
+
+def _join(parent: bytes, name: bytes) -> bytes:
+    return parent + b"/" + name if parent else name
+
+
 class Operations(pyfuse3.Operations):
     supports_dot_lookup = True
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, node: Node, owner_uid: int | None = None):
+    def __init__(self, node: Node, owner_uid: int | None = None, writes: WriteStore | None = None):
         super().__init__()
         self.node = node
+        self.writes = writes
         self.owner_uid = os.getuid() if owner_uid is None else owner_uid
 
     # ------------------------------------------------------------ attributes
@@ -72,8 +91,9 @@ class Operations(pyfuse3.Operations):
         a = pyfuse3.EntryAttributes()
         a.st_ino = r.inode
         a.generation = 0
-        a.entry_timeout = ENTRY_TIMEOUT
-        a.attr_timeout = ENTRY_TIMEOUT
+        t = WRITTEN_TIMEOUT if _is_written(r.inode) else ENTRY_TIMEOUT
+        a.entry_timeout = t
+        a.attr_timeout = t
         a.st_mode = r.mode
         a.st_nlink = r.nlink
         a.st_uid = r.uid
@@ -85,12 +105,58 @@ class Operations(pyfuse3.Operations):
         a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = r.mtime_ns
         return a
 
+    # ------------------------------------------------------------ dataset or written?
+
+    def _w(self) -> WriteStore:
+        if self.writes is None:
+            raise ReadOnly("this mount is read-only")
+        return self.writes
+
+    async def _record_at(self, path: bytes) -> Record:
+        """The entry at a mount-relative path: the dataset's, else a written one."""
+        try:
+            return await self.node.record(self.node.ns.resolve(path))
+        except NotFound:
+            return self._w().getattr(path)
+
+    async def _dir_path(self, inode: int) -> bytes:
+        if _is_written(inode):
+            return self._w().path(inode)
+        rec = await self.node.record(inode - 1)
+        if not rec.is_dir:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return self.node.ns.path(inode - 1)
+
+    def _in_dataset(self, parent_inode: int, name: bytes) -> bool:
+        if _is_written(parent_inode):
+            return False
+        try:
+            self.node.ns.lookup(parent_inode - 1, name)
+            return True
+        except NotFound:
+            return False
+
     @_translate
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext):
-        return self._attr(await self.node.lookup(parent_inode - 1, name))
+        if _is_written(parent_inode):
+            path = self._w().path(parent_inode)
+            if name == b"..":
+                return self._attr(await self._record_at(path.rpartition(b"/")[0]))
+            if name == b".":
+                return self._attr(self._w().getattr(path))
+            return self._attr(self._w().lookup(path, name))
+        try:
+            return self._attr(await self.node.lookup(parent_inode - 1, name))
+        except NotFound:
+            if self.writes is None:
+                raise
+            return self._attr(self.writes.lookup(self.node.ns.path(parent_inode - 1), name))
 
     @_translate
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None):
+        if _is_written(inode):
+            w = self._w()
+            return self._attr(w.getattr(w.path(inode)))
         return self._attr(await self.node.record(inode - 1))
 
     async def forget(self, inode_list) -> None:
@@ -107,23 +173,41 @@ class Operations(pyfuse3.Operations):
 
     @_translate
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
-        rec = await self.node.record(inode - 1)
-        if not rec.is_dir:
-            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        await self._dir_path(inode)
         return inode
+
+    def _written_children(self, path: bytes, parent_inode: int) -> list[Record]:
+        if self.writes is None:
+            return []
+        try:
+            recs = self.writes.listdir(path)
+        except (NotFound, FanstoreError):
+            return []
+        return [r for r in recs if not self._in_dataset(parent_inode, r.name)]
 
     @_translate
     async def readdir(self, fh: int, start_id: int, token) -> None:
-        index = fh - 1
-        batch = 256
         pos = start_id
-        while True:
-            recs = await self.node.listdir(index, pos, batch)
-            for r in recs:
-                pos += 1
-                if not pyfuse3.readdir_reply(token, r.name, self._attr(r), pos):
-                    return
-            if len(recs) < batch:
+        if _is_written(fh):
+            n_ds = 0
+        else:
+            index = fh - 1
+            n_ds = self.node.ns.m.entries["count"][index]
+            batch = 256
+            while pos < n_ds:
+                recs = await self.node.listdir(index, pos, batch)
+                for r in recs:
+                    pos += 1
+                    if not pyfuse3.readdir_reply(token, r.name, self._attr(r), pos):
+                        return
+                if not recs:
+                    break
+        if self.writes is None:
+            return
+        extra = self._written_children(await self._dir_path(fh), fh)
+        for r in extra[pos - n_ds :]:
+            pos += 1
+            if not pyfuse3.readdir_reply(token, r.name, self._attr(r), pos):
                 return
 
     async def releasedir(self, fh: int) -> None:
@@ -133,20 +217,128 @@ class Operations(pyfuse3.Operations):
 
     @_translate
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext):
+        if _is_written(inode):
+            w = self._w()
+            fh = await trio.to_thread.run_sync(w.open, w.path(inode), flags)
+            return pyfuse3.FileInfo(fh=WRITE_FH + fh, keep_cache=False)
         if flags & _WRITE_FLAGS:
             raise pyfuse3.FUSEError(errno.EROFS)
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)
 
     @_translate
     async def read(self, fh: int, off: int, size: int) -> bytes:
+        if fh >= WRITE_FH:
+            return await self._maybe_thread(size, self._w().read, fh - WRITE_FH, off, size)
         try:
             return await self.node.read(fh - 1, off, size)
         except FanstoreError as e:
             log.error("read %s: %s", self.node.path(fh - 1), e)
             raise pyfuse3.FUSEError(e.errno) from None
 
+    async def _maybe_thread(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+        if size >= BIG_WRITE:
+            return await trio.to_thread.run_sync(fn, *args)
+        return fn(*args)
+
+    @_translate
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        if fh < WRITE_FH:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        return await self._maybe_thread(len(buf), self._w().write, fh - WRITE_FH, off, buf)
+
+    @_translate
+    async def flush(self, fh: int) -> None:
+        # Answered (not ENOSYS) so that close(2) of a written file commits it before returning:
+        # that is what makes close-to-open visibility hold. A no-op for dataset files.
+        if fh >= WRITE_FH:
+            await trio.to_thread.run_sync(self._w().flush, fh - WRITE_FH)
+
+    @_translate
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        if fh >= WRITE_FH:
+            await trio.to_thread.run_sync(self._w().fsync, fh - WRITE_FH)
+
+    @_translate
     async def release(self, fh: int) -> None:
-        return None
+        if fh >= WRITE_FH:
+            await trio.to_thread.run_sync(self._w().close, fh - WRITE_FH)
+
+    # ------------------------------------------------------------ the write path
+
+    async def _new_path(self, parent_inode: int, name: bytes) -> bytes:
+        """Where a new entry goes; EEXIST over a dataset name; shadow dataset dirs as needed."""
+        w = self._w()
+        ppath = await self._dir_path(parent_inode)
+        if self._in_dataset(parent_inode, name):
+            raise Exists(f"{name!r} exists in the dataset")
+        if not _is_written(parent_inode):
+            w.makedirs_shadow(ppath)
+        return _join(ppath, name)
+
+    @_translate
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: pyfuse3.RequestContext):
+        path = await self._new_path(parent_inode, name)
+        fh, rec = await trio.to_thread.run_sync(
+            self._w().create, path, mode, flags, ctx.uid, ctx.gid
+        )
+        return pyfuse3.FileInfo(fh=WRITE_FH + fh, keep_cache=False), self._attr(rec)
+
+    @_translate
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext):
+        path = await self._new_path(parent_inode, name)
+        rec = await trio.to_thread.run_sync(self._w().mkdir, path, mode, False, ctx.uid, ctx.gid)
+        return self._attr(rec)
+
+    async def _written_path(self, parent_inode: int, name: bytes) -> bytes:
+        if self._in_dataset(parent_inode, name):
+            raise ReadOnly(f"{name!r} belongs to the read-only dataset")
+        return _join(await self._dir_path(parent_inode), name)
+
+    @_translate
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        path = await self._written_path(parent_inode, name)
+        await trio.to_thread.run_sync(self._w().unlink, path)
+
+    @_translate
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        path = await self._written_path(parent_inode, name)
+        await trio.to_thread.run_sync(self._w().rmdir, path)
+
+    @_translate
+    async def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes,
+                     flags: int, ctx: pyfuse3.RequestContext) -> None:
+        if flags & ~pyfuse3.RENAME_NOREPLACE:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        old = await self._written_path(parent_old, name_old)
+        if self._in_dataset(parent_new, name_new):
+            raise ReadOnly(f"{name_new!r} belongs to the read-only dataset")
+        new = await self._new_target(parent_new, name_new)
+        noreplace = bool(flags & pyfuse3.RENAME_NOREPLACE)
+        await trio.to_thread.run_sync(self._w().rename, old, new, noreplace)
+
+    async def _new_target(self, parent_inode: int, name: bytes) -> bytes:
+        ppath = await self._dir_path(parent_inode)
+        if not _is_written(parent_inode):
+            self._w().makedirs_shadow(ppath)
+        return _join(ppath, name)
+
+    @_translate
+    async def setattr(self, inode: int, attr, fields, fh: int | None, ctx: pyfuse3.RequestContext):
+        if not _is_written(inode):
+            raise pyfuse3.FUSEError(errno.EROFS)
+        w = self._w()
+        path = w.path(inode)
+        if fields.update_uid or fields.update_gid:
+            raise pyfuse3.FUSEError(errno.EPERM)
+        if fields.update_size:
+            target = fh - WRITE_FH if fh is not None and fh >= WRITE_FH else path
+            await trio.to_thread.run_sync(w.truncate, target, attr.st_size)
+        if fields.update_mode:
+            w.chmod(path, attr.st_mode)
+        if fields.update_mtime:
+            w.utimens(path, attr.st_mtime_ns)
+        return self._attr(w.getattr(path))
 
     @_translate
     async def statfs(self, ctx: pyfuse3.RequestContext):
@@ -155,6 +347,13 @@ class Operations(pyfuse3.Operations):
         s.f_bsize = s.f_frsize = 4096
         s.f_blocks = (m.total_bytes() + 4095) // 4096
         s.f_bfree = s.f_bavail = 0
+        if self.writes is not None:
+            v = os.statvfs(self.writes.local_dir)
+            free = v.f_bavail * v.f_frsize
+            if self.writes.quota_bytes is not None:
+                free = max(0, min(free, self.writes.quota_bytes - self.writes.used_bytes))
+            s.f_bfree = s.f_bavail = free // 4096
+            s.f_blocks += s.f_bfree + (self.writes.used_bytes + 4095) // 4096
         s.f_files = m.n_entries
         s.f_ffree = s.f_favail = 0
         s.f_namemax = 255
@@ -163,6 +362,8 @@ class Operations(pyfuse3.Operations):
     # ------------------------------------------------------------ xattrs
 
     def _xattrs(self, index: int) -> dict[bytes, bytes]:
+        if _is_written(index + 1):
+            return {}
         rec = self.node.ns.record(index)
         out: dict[bytes, bytes] = {}
         if rec.kind == 0:
@@ -193,17 +394,9 @@ class Operations(pyfuse3.Operations):
             names.append(XATTR_PREFIX + b"status")
         return names
 
-    # ------------------------------------------------------------ the dataset is read-only
-
-    setattr = _erofs("setattr")
-    mknod = _erofs("mknod")
-    mkdir = _erofs("mkdir")
-    unlink = _erofs("unlink")
-    rmdir = _erofs("rmdir")
+    # Not supported for written entries either: symlinks, hard links, device nodes, xattrs.
     symlink = _erofs("symlink")
-    rename = _erofs("rename")
     link = _erofs("link")
-    create = _erofs("create")
-    write = _erofs("write")
+    mknod = _erofs("mknod")
     setxattr = _erofs("setxattr")
     removexattr = _erofs("removexattr")

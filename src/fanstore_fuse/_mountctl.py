@@ -17,12 +17,14 @@ import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import xxhash
 
 from ._errors import FanstoreError
 
 LOCAL_MARKER = ".fanstore-local"
+WRITES_DIR = "writes"
 STATE_SEED = 0x4D4E5453
 
 
@@ -152,16 +154,34 @@ def prepare_local_dir(path: str) -> str:
     entries = set(os.listdir(path))
     if entries and LOCAL_MARKER not in entries:
         raise FanstoreError(f"local directory {path} is not empty and not ours")
+    if has_written_files(path):
+        raise FanstoreError(
+            f"local directory {path} holds files written by an earlier mount: run "
+            f"`fanstore-fuse recover {path} --stage-out DIR` first"
+        )
     with open(os.path.join(path, LOCAL_MARKER), "w") as f:
         f.write(f"{os.getpid()}\n")
     return path
 
 
-def remove_local_dir(path: str) -> None:
-    """Remove a local copy, only if it carries our marker."""
+def has_written_files(path: str) -> bool:
+    """Whether a local dir holds data written into the mount (kept until staged out)."""
+    data = os.path.join(path, WRITES_DIR, "data")
+    try:
+        return any(True for _ in os.scandir(data))
+    except OSError:
+        return False
+
+
+def remove_local_dir(path: str, keep_writes: bool = False) -> None:
+    """Remove a local copy, only if it carries our marker. With `keep_writes`, written files
+    (and the journal that describes them) stay, with the marker, for stage-out or recover."""
     marker = os.path.join(path, LOCAL_MARKER)
     if os.path.isdir(path) and os.path.exists(marker):
+        keep = keep_writes and has_written_files(path)
         for name in os.listdir(path):  # the marker goes last, so an interrupted removal can resume
+            if name == WRITES_DIR and keep:
+                continue
             if name != LOCAL_MARKER:
                 p = os.path.join(path, name)
                 if os.path.isdir(p) and not os.path.islink(p):
@@ -169,6 +189,8 @@ def remove_local_dir(path: str) -> None:
                 else:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(p)
+        if keep:
+            return
         shutil.rmtree(path, ignore_errors=True)
         parent = os.path.dirname(path)
         if os.path.basename(parent).startswith("local-"):  # the default per-mount parent
@@ -216,9 +238,13 @@ class UmountResult:
     stopped: int
     killed: int
     stale: bool
+    stage_out: Any = None  # a StageOutSummary when --stage-out was given
+    kept: list[str] = field(default_factory=list)  # local dirs kept because of written files
 
 
-def umount(mountpoint: str, timeout: float = 15.0) -> UmountResult:
+def umount(
+    mountpoint: str, timeout: float = 15.0, stage_out_dir: str | None = None, workers: int = 4
+) -> UmountResult:
     st = find_state(mountpoint)
     if st is None:
         mp = os.path.abspath(mountpoint)
@@ -233,7 +259,32 @@ def umount(mountpoint: str, timeout: float = 15.0) -> UmountResult:
     pids = list(st.pids) + ([st.launcher_pid] if st.launcher_pid else [])
     # A mount still there after its daemon stopped (or died) is a stale one we had to clear.
     cleared = [mp for mp in st.mountpoints if lazy_unmount(mp)]
+    summary = None
+    written = [d for d in st.local_dirs if has_written_files(d)]
+    if stage_out_dir is not None and written:
+        from ._stageout import stage_out
+
+        summary = stage_out(written, stage_out_dir, workers)
+    discard = summary is not None and summary.ok
+    kept = [] if discard else written
     for d in st.local_dirs:
-        remove_local_dir(d)
+        remove_local_dir(d, keep_writes=not discard)
+    for other in _states_of(st):
+        other.remove()
     st.remove()
-    return UmountResult(st.mountpoints, len(pids), len(killed), stale=bool(killed or cleared))
+    return UmountResult(st.mountpoints, len(pids), len(killed), stale=bool(killed or cleared),
+                        stage_out=summary, kept=kept)
+
+
+def _states_of(group: MountState) -> list[MountState]:
+    """Per-rank state files of the same mount on this host."""
+    out = []
+    for name in os.listdir(state_dir()):
+        if name.endswith(".json") and name != f"{group.key}.json":
+            try:
+                st = MountState.load(os.path.join(state_dir(), name))
+            except (OSError, ValueError, TypeError):
+                continue
+            if st.template == group.template:
+                out.append(st)
+    return out

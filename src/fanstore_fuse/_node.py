@@ -13,7 +13,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import trio
 
@@ -164,6 +164,7 @@ class Node:
         self.readahead = readahead
         self._nursery: trio.Nursery | None = None
         self.held: dict[str, int] = {}
+        self.writes: Any = None  # the rank's WriteStore, when the mount is writable
         self.gather_status: Callable[[], Awaitable[dict[str, object]]] | None = None
 
     def attach(self, nursery: trio.Nursery) -> None:
@@ -221,7 +222,10 @@ class Node:
             log.warning("read-ahead of %s failed: %s", blob, e)
 
     def local_status(self) -> dict[str, object]:
-        return {"stats": self.stats.as_dict(), "entries": len(self.ns), **self.held}
+        d: dict[str, object] = {"stats": self.stats.as_dict(), "entries": len(self.ns), **self.held}
+        if self.writes is not None:
+            d["writes"] = self.writes.status()
+        return d
 
     async def status(self) -> dict[str, object]:
         """This node's counters; a cluster node overrides `gather_status` to add its peers'."""

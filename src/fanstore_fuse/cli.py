@@ -21,7 +21,7 @@ from rich.progress import (
 from ._errors import FanstoreError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 
 
 @app.callback()
@@ -137,6 +137,10 @@ def mount(
         True, "--warm-metadata/--no-warm-metadata", help="pull all metadata from owners at mount"
     ),
     peer_timeout: float = typer.Option(10.0, "--peer-timeout", help="seconds before trying another copy"),
+    write_quota: str | None = typer.Option(
+        None, "--write-quota", help="bytes files written into the mount may take per node (10G)"
+    ),
+    read_only: bool = typer.Option(False, "--read-only", help="refuse all writes (EROFS)"),
     mpi: bool = typer.Option(False, "--mpi", hidden=True),
     ready_file: str | None = typer.Option(None, "--ready-file", hidden=True),
 ) -> None:
@@ -154,6 +158,7 @@ def mount(
         argv = ["mount", dest, mountpoint, "--foreground", "--replicas", str(replicas),
                 "--peer-timeout", str(peer_timeout)]
         argv.append("--warm-metadata" if warm_metadata else "--no-warm-metadata")
+        argv += _write_args(write_quota, read_only)
         if local:
             argv += ["--local", local]
         for o in option:
@@ -172,7 +177,7 @@ def mount(
         from ._launch import start_background
         from ._mountctl import check_mountpoint
 
-        argv = ["mount", dest, mountpoint, "--foreground"]
+        argv = ["mount", dest, mountpoint, "--foreground", *_write_args(write_quota, read_only)]
         if local:
             argv += ["--local", local]
         for o in option:
@@ -190,24 +195,83 @@ def mount(
     cfg = MountConfig(
         dest, mountpoint, local, list(option), ready_fd, ready_file, debug, mpi=mpi,
         replicas=replicas, warm_metadata=warm_metadata, peer_timeout=peer_timeout,
+        writable=not read_only, write_quota=_parse_size(write_quota),
     )
     raise typer.Exit(serve(cfg))
+
+
+def _parse_size(text: str | None) -> int | None:
+    if text is None:
+        return None
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    try:
+        return int(float(t.rstrip("KMGT")) * mult)
+    except ValueError:
+        _fail(f"bad size {text!r} (use e.g. 500M or 10G)")
+        raise
+
+
+def _write_args(write_quota: str | None, read_only: bool) -> list[str]:
+    out = ["--write-quota", write_quota] if write_quota else []
+    return out + (["--read-only"] if read_only else [])
 
 
 @app.command()
 def umount(
     mountpoint: str = typer.Argument(..., help="a mountpoint (or the {rank} template)"),
     timeout: float = typer.Option(15.0, "--timeout", help="seconds before SIGKILL"),
+    stage_out: str | None = typer.Option(
+        None, "--stage-out", help="copy every file written into the mount to this directory"
+    ),
+    workers: int = typer.Option(4, "--workers", "-w", help="parallel copies for --stage-out"),
 ) -> None:
-    """Unmount, stop the daemon(s) and remove the node-local copies."""
+    """Unmount, stop the daemon(s), stage out written files, remove the node-local copies."""
     from ._mountctl import umount as do_umount
 
     try:
-        res = do_umount(mountpoint, timeout)
+        res = do_umount(mountpoint, timeout, stage_out, workers)
     except FanstoreError as e:
         _fail(str(e))
     what = "cleaned stale mount" if res.stale else "unmounted"
     err.print(f"{what}: {', '.join(res.mountpoints)}", highlight=False)
+    if res.stage_out is not None:
+        err.print(res.stage_out.line(), highlight=False)
+        for f in res.stage_out.failures:
+            err.print(f"not saved: {f.path!r}: {f.reason} (kept in {f.local})", highlight=False)
+    for d in res.kept:
+        err.print(f"written files kept in {d}: `fanstore-fuse recover {d} --stage-out DIR`",
+                  highlight=False)
+    if res.stage_out is not None and not res.stage_out.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def recover(
+    local_dir: str = typer.Argument(..., help="a node-local directory left by a mount"),
+    stage_out: str = typer.Option(..., "--stage-out", help="where to copy the written files"),
+    workers: int = typer.Option(4, "--workers", "-w"),
+    salvage_unclosed: bool = typer.Option(
+        False, "--salvage-unclosed", help="also copy files never closed (unverified)"
+    ),
+    force: bool = typer.Option(False, "--force", help="even if a live daemon seems to own it"),
+) -> None:
+    """Rescue the files written into a mount whose daemon died before stage-out."""
+    from ._recover import recover as do_recover
+
+    try:
+        res = do_recover(local_dir, stage_out, workers, force, salvage_unclosed)
+    except FanstoreError as e:
+        _fail(str(e))
+    err.print(res.line(), highlight=False)
+    for u in res.unclosed:
+        err.print(f"unclosed: {u}", highlight=False)
+    for w in res.warnings:
+        err.print(f"warning: {w}", highlight=False)
+    for f in res.failures:
+        err.print(f"not saved: {f.path!r}: {f.reason}", highlight=False)
+    if not res.ok:
+        raise typer.Exit(1)
 
 
 @app.command()

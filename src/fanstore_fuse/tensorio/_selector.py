@@ -4,8 +4,9 @@ Keys are ``op|device|b<log2 size bucket>|cold/warm/-|fs type``. For a new key th
 explores: each call goes to the eligible tool with the fewest samples, a tool whose best
 seconds-per-byte is more than ``drop_factor`` times the best one is dropped, and once every
 remaining tool has ``explore_rounds`` samples it commits to the fastest (lowest median). A
-committed tool that is ``slow_factor`` times slower than its committed median for ``patience``
-calls in a row sends the key back to exploration (so do ``reexplore_every`` committed calls, if
+committed tool that is ``slow_factor`` (2) times slower than its committed median for
+``patience`` (5) calls in a row sends the key back to exploration (so do
+``reexplore_every`` committed calls, if
 set). The dictionary persists as JSON stamped with host, CPU model and library versions; a file
 with another stamp is ignored. ``FANSTORE_TENSORIO_TOOL`` (or ``tool=``) forces a tool.
 """
@@ -86,8 +87,8 @@ class Selector:
         clock: Callable[[], float] = time.perf_counter,
         explore_rounds: int = 2,
         drop_factor: float = 2.0,
-        slow_factor: float = 1.5,
-        patience: int = 3,
+        slow_factor: float = 2.0,
+        patience: int = 5,
         reexplore_every: int = 0,
         stamp: dict[str, Any] | None = None,
     ) -> None:
