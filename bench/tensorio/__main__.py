@@ -45,17 +45,25 @@ def _median(fn: Callable[[], Any], runs: int, before: Callable[[], None] | None 
     return statistics.median(ts)
 
 
-def _interleaved(fns: dict[str, Callable[[], Any]], runs: int) -> dict[str, float]:
+CPU: dict[str, float] = {}
+
+
+def _interleaved(fns: dict[str, Callable[[], Any]], runs: int, tag: str = "") -> dict[str, float]:
     """Median seconds of each fn, running them round-robin so that load from other processes
-    on a shared machine hits every contender alike."""
+    on a shared machine hits every contender alike. Median CPU seconds (all threads of this
+    process) go to CPU[tag + name]."""
     ts: dict[str, list[float]] = {k: [] for k in fns}
+    cs: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(runs):
         for k, fn in fns.items():
             gc.collect()
+            c0 = time.process_time()
             t0 = time.perf_counter()
             out = fn()
             ts[k].append(time.perf_counter() - t0)
+            cs[k].append(time.process_time() - c0)
             del out
+    CPU.update({tag + k: statistics.median(v) for k, v in cs.items()})
     return {k: statistics.median(v) for k, v in ts.items()}
 
 
@@ -97,7 +105,7 @@ def bench_state_dict(name: str, sd: dict, d: str, runs: int, cold_runs: int) -> 
         "torch.save": lambda: torch.save(sd, pt),
         "safetensors": lambda: save_file(sd, st),
         "tensorio": lambda: tio.save(sd, ft, selector=sel),
-    }, runs)
+    }, runs, f"{name}/save/")
     r["load_warm"] = _interleaved({
         "torch.load": lambda: torch.load(pt),
         "torch.load(mmap)": lambda: torch.load(pt, mmap=True),
@@ -105,7 +113,7 @@ def bench_state_dict(name: str, sd: dict, d: str, runs: int, cold_runs: int) -> 
         "tensorio": lambda: tio.load(ft, selector=sel),
         "tensorio(verify=False)": lambda: tio.load(ft, selector=sel, verify=False),
         "tensorio(mmap)": lambda: tio.load(ft, mmap=True),
-    }, runs)
+    }, runs, f"{name}/load_warm/")
     wkey = tio.make_key("write", "cpu", tio.read_layout(ft).data_len, "-", tio.fs_type(d))
     rkey = tio.make_key("read", "cpu", tio.read_layout(ft).data_len, "warm", tio.fs_type(ft))
     r["selected"] = {"save": sel.decision(wkey), "load_warm": sel.decision(rkey)}
@@ -186,7 +194,9 @@ def report(res: dict[str, Any]) -> None:
             print(f"  {phase}:")
             for k, v in r[phase].items():
                 ratio = r[phase][base] / v
-                print(f"    {k:24s}{_ms(v)}  {mb / 1e3 / v:6.2f} GB/s  x{ratio:5.2f} vs {base}")
+                cpu = CPU.get(f"{r['name']}/{phase}/{k}")
+                cpu_s = f"  cpu {cpu * 1e3:7.1f} ms" if cpu is not None else ""
+                print(f"    {k:24s}{_ms(v)}  {mb / 1e3 / v:6.2f} GB/s  x{ratio:5.2f} vs {base}{cpu_s}")
             if "tensorio" in r[phase] and "safetensors" in r[phase]:
                 print(f"    tensorio vs safetensors: x{r[phase]['safetensors'] / r[phase]['tensorio']:.2f}")
         for phase in ("tools_save", "tools_load_warm"):
@@ -203,10 +213,17 @@ def report(res: dict[str, Any]) -> None:
     print(f"(zero-copy: tensorio load(mmap=True) x{mr:.2f} vs torch.load(mmap=True), "
           f"x{r['load_warm']['torch.load'] / r['load_warm']['tensorio(mmap)']:.2f} vs torch.load)")
     lr = r["load_warm"]["torch.load"] / r["load_warm"]["tensorio"]
+    lr_mmap = r["load_warm"]["torch.load"] / r["load_warm"]["tensorio(mmap)"]
     sr = r["save"]["torch.save"] / r["save"]["tensorio"]
     print(f"\nBAR ({r['name']}, warm): load x{lr:.2f} vs torch.load (need >= 2): "
           f"{'PASS' if lr >= 2 else 'MISS'}; save x{sr:.2f} vs torch.save (need >= 1.5): "
           f"{'PASS' if sr >= 1.5 else 'MISS'}")
+    n = r["name"]
+    if f"{n}/load_warm/tensorio" in CPU:
+        print(f"     CPU-time ratios (all threads): load x"
+              f"{CPU[f'{n}/load_warm/torch.load'] / CPU[f'{n}/load_warm/tensorio']:.2f}, save x"
+              f"{CPU[f'{n}/save/torch.save'] / CPU[f'{n}/save/tensorio']:.2f}; "
+              f"load(mmap=True) x{lr_mmap:.2f} vs torch.load")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(d, ignore_errors=True)
     report(res)
+    res["cpu_s"] = CPU
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -85,7 +85,7 @@ class Selector:
         path: str | os.PathLike[str] | None = None,
         *,
         clock: Callable[[], float] = time.perf_counter,
-        explore_rounds: int = 2,
+        explore_rounds: int = 3,
         drop_factor: float = 2.0,
         slow_factor: float = 2.0,
         patience: int = 5,
