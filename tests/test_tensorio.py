@@ -565,3 +565,20 @@ def test_random_shapes_and_dtypes_round_trip(tmp_path: Path):
         _assert_same(ts, tio.load(p, tool="pread"))
 
     run()
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        fmt.Entry(torch.float32, (4,), 8192, 16, (0,)),  # past the data region
+        fmt.Entry(torch.float32, (4,), 0, 12, (0,)),  # nbytes disagrees with shape
+        fmt.Entry(torch.float32, (4,), 0, 16, ()),  # missing piece hash
+        fmt.Entry(torch.float32, (4,), 3, 16, (0,)),  # misaligned
+    ],
+)
+def test_consistent_checksum_but_inconsistent_header_refused(tmp_path: Path, entry):
+    header = fmt.encode_header({"t": 0}, [entry], 4096)
+    p = tmp_path / "crafted.fst"
+    p.write_bytes(header + bytes(4096))
+    with pytest.raises(tio.TensorFormatError):
+        tio.load(p)

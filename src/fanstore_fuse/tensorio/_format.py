@@ -409,11 +409,29 @@ def parse_header(raw: bytes, file_size: int | None = None) -> Layout:
         )
     except (KeyError, ValueError, TypeError) as exc:  # checksum ok but content odd: a bug
         raise TensorFormatError(f"tensorio header is malformed: {exc}") from exc
+    _validate(layout)
     if file_size is not None and file_size < layout.file_size:
         raise TensorFormatError(
             f"tensorio file is truncated ({file_size} < {layout.file_size} bytes)"
         )
     return layout
+
+
+def _validate(layout: Layout) -> None:
+    """A header can be well-formed and correctly checksummed yet inconsistent (crafted, or a
+    bug): refuse it rather than build tensors from the wrong bytes."""
+    if layout.data_len % PAGE or layout.piece <= 0 or layout.piece % PAGE:
+        raise TensorFormatError("tensorio header: data length or piece size not 4 KiB-aligned")
+    end = 0
+    for i, e in enumerate(layout.entries):
+        itemsize = torch.empty(0, dtype=e.dtype).element_size()
+        if any(d < 0 for d in e.shape) or math.prod(e.shape) * itemsize != e.nbytes:
+            raise TensorFormatError(f"tensorio header: tensor {i} shape/dtype/nbytes disagree")
+        if e.offset < end or e.offset % SMALL_ALIGN or e.offset + e.nbytes > layout.data_len:
+            raise TensorFormatError(f"tensorio header: tensor {i} offset out of place")
+        if len(e.hashes) != len(e.pieces(layout.piece)):
+            raise TensorFormatError(f"tensorio header: tensor {i} has the wrong number of hashes")
+        end = e.offset + e.nbytes
 
 
 def read_layout(path: str | os.PathLike[str]) -> Layout:
