@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import pyfuse3
 import trio
@@ -100,6 +101,7 @@ class _Mounted:
     node: Node | None = None
     held: dict[str, int] = field(default_factory=dict)
     writes: WriteStore | None = None
+    shared: Any = None  # SharedWrites on multi-rank mounts
 
     def teardown(self) -> None:
         if self.writes is not None:
@@ -164,7 +166,7 @@ def _mount(cfg: MountConfig, m: _Mounted) -> None:
     opts = fuse_options(cfg)
     if cfg.debug:
         opts.add("debug")
-    pyfuse3.init(Operations(m.node, writes=m.writes), m.mountpoint, opts)
+    pyfuse3.init(Operations(m.node, writes=m.writes, shared=m.shared), m.mountpoint, opts)
     m.mounted = True
     set_readahead(m.mountpoint, cfg.readahead_kb)
 
@@ -253,6 +255,10 @@ def serve(cfg: MountConfig) -> int:
                 rank, m.node, placement, m.store, transport, local_src.threshold
             )
             m.node.gather_status = make_gather_status(rank, nranks, m.node, transport, 5.0)
+            from ._shared_writes import SharedWrites
+
+            m.shared = SharedWrites(rank, placement, transport, m.writes, cfg.peer_timeout)
+            m.shared.register(transport.handlers)
             if cfg.warm_metadata:
                 async def warm() -> None:
                     n = await meta.warm(nranks)

@@ -17,12 +17,17 @@ import pyfuse3
 import trio
 
 from ._errors import FanstoreError, NotFound, ReadOnly
+from ._format import KIND_DIR
 from ._namespace import Record
 from ._node import Node
 from ._writes import WRITE_INODE_BASE, Exists
 
 if TYPE_CHECKING:
+    from ._shared_writes import Published, SharedWrites
     from ._writes import WriteStore
+
+REMOTE_INODE_BASE = 1 << 41  # entries written on other ranks (see _shared_writes)
+REMOTE_FH = 1 << 61  # handles of files written on other ranks
 
 log = logging.getLogger("fanstore_fuse.fuse")
 
@@ -70,6 +75,10 @@ def _is_written(inode: int) -> bool:
     return inode >= WRITE_INODE_BASE
 
 
+def _is_remote(inode: int) -> bool:
+    return inode >= REMOTE_INODE_BASE
+
+
 def _join(parent: bytes, name: bytes) -> bytes:
     return parent + b"/" + name if parent else name
 
@@ -79,10 +88,14 @@ class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, node: Node, owner_uid: int | None = None, writes: WriteStore | None = None):
+    def __init__(self, node: Node, owner_uid: int | None = None, writes: WriteStore | None = None,
+                 shared: SharedWrites | None = None):
         super().__init__()
         self.node = node
         self.writes = writes
+        self.shared = shared  # files written on other ranks (multi-rank mounts)
+        self._remote_open: dict[int, tuple[Published, dict[int, bytes]]] = {}
+        self._next_remote_fh = 0
         self.owner_uid = os.getuid() if owner_uid is None else owner_uid
 
     # ------------------------------------------------------------ attributes
@@ -91,7 +104,12 @@ class Operations(pyfuse3.Operations):
         a = pyfuse3.EntryAttributes()
         a.st_ino = r.inode
         a.generation = 0
-        t = WRITTEN_TIMEOUT if _is_written(r.inode) else ENTRY_TIMEOUT
+        if _is_remote(r.inode):
+            t = 0.0  # written on another rank: revalidate every time (close-to-open)
+        elif _is_written(r.inode):
+            t = WRITTEN_TIMEOUT
+        else:
+            t = ENTRY_TIMEOUT
         a.entry_timeout = t
         a.attr_timeout = t
         a.st_mode = r.mode
@@ -117,9 +135,17 @@ class Operations(pyfuse3.Operations):
         try:
             return await self.node.record(self.node.ns.resolve(path))
         except NotFound:
+            pass
+        try:
             return self._w().getattr(path)
+        except NotFound:
+            if self.shared is None:
+                raise
+            return self.shared.record(await self.shared.stat(path))
 
     async def _dir_path(self, inode: int) -> bytes:
+        if _is_remote(inode):
+            return self._remote_path(inode)
         if _is_written(inode):
             return self._w().path(inode)
         rec = await self.node.record(inode - 1)
@@ -136,24 +162,43 @@ class Operations(pyfuse3.Operations):
         except NotFound:
             return False
 
+    def _remote_path(self, inode: int) -> bytes:
+        if self.shared is None:
+            raise NotFound(f"inode {inode} unknown")
+        return self.shared.path(inode)
+
+    async def _written_lookup(self, ppath: bytes, name: bytes) -> Record:
+        """A written entry: this rank's own, else one published by another rank."""
+        if self.writes is not None:
+            try:
+                return self.writes.lookup(ppath, name)
+            except NotFound:
+                pass
+        if self.shared is None:
+            raise NotFound(f"{name!r} not found")
+        return self.shared.record(await self.shared.stat(_join(ppath, name)))
+
     @_translate
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext):
         if _is_written(parent_inode):
-            path = self._w().path(parent_inode)
+            path = await self._dir_path(parent_inode)
             if name == b"..":
                 return self._attr(await self._record_at(path.rpartition(b"/")[0]))
             if name == b".":
-                return self._attr(self._w().getattr(path))
-            return self._attr(self._w().lookup(path, name))
+                return self._attr(await self._record_at(path))
+            return self._attr(await self._written_lookup(path, name))
         try:
             return self._attr(await self.node.lookup(parent_inode - 1, name))
         except NotFound:
-            if self.writes is None:
+            if self.writes is None and self.shared is None:
                 raise
-            return self._attr(self.writes.lookup(self.node.ns.path(parent_inode - 1), name))
+            return self._attr(await self._written_lookup(self.node.ns.path(parent_inode - 1), name))
 
     @_translate
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None):
+        if _is_remote(inode):
+            assert self.shared is not None
+            return self._attr(self.shared.record(await self.shared.stat(self._remote_path(inode))))
         if _is_written(inode):
             w = self._w()
             return self._attr(w.getattr(w.path(inode)))
@@ -176,14 +221,23 @@ class Operations(pyfuse3.Operations):
         await self._dir_path(inode)
         return inode
 
-    def _written_children(self, path: bytes, parent_inode: int) -> list[Record]:
-        if self.writes is None:
-            return []
-        try:
-            recs = self.writes.listdir(path)
-        except (NotFound, FanstoreError):
-            return []
-        return [r for r in recs if not self._in_dataset(parent_inode, r.name)]
+    async def _written_children(self, path: bytes, parent_inode: int) -> list[Record]:
+        out: list[Record] = []
+        if self.writes is not None:
+            try:
+                out = [r for r in self.writes.listdir(path)
+                       if not self.writes.is_shadow(_join(path, r.name))]
+            except FanstoreError:
+                out = []
+        if self.shared is not None:
+            seen = {r.name for r in out}
+            for e in await self.shared.listdir(path):
+                r = self.shared.record(e)
+                if r.name not in seen and e.writer != self.shared.rank:
+                    out.append(r)
+        out = [r for r in out if not self._in_dataset(parent_inode, r.name)]
+        out.sort(key=lambda r: r.name)
+        return out
 
     @_translate
     async def readdir(self, fh: int, start_id: int, token) -> None:
@@ -202,9 +256,9 @@ class Operations(pyfuse3.Operations):
                         return
                 if not recs:
                     break
-        if self.writes is None:
+        if self.writes is None and self.shared is None:
             return
-        extra = self._written_children(await self._dir_path(fh), fh)
+        extra = await self._written_children(await self._dir_path(fh), fh)
         for r in extra[pos - n_ds :]:
             pos += 1
             if not pyfuse3.readdir_reply(token, r.name, self._attr(r), pos):
@@ -217,6 +271,15 @@ class Operations(pyfuse3.Operations):
 
     @_translate
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext):
+        if _is_remote(inode):
+            if flags & _WRITE_FLAGS:
+                raise pyfuse3.FUSEError(errno.EPERM)  # only the writing node may change it
+            assert self.shared is not None
+            e = await self.shared.stat(self._remote_path(inode))  # close-to-open: fresh state
+            self._next_remote_fh += 1
+            fh = REMOTE_FH + self._next_remote_fh
+            self._remote_open[fh] = (e, {})
+            return pyfuse3.FileInfo(fh=fh, keep_cache=False)
         if _is_written(inode):
             w = self._w()
             fh = await trio.to_thread.run_sync(w.open, w.path(inode), flags)
@@ -227,6 +290,10 @@ class Operations(pyfuse3.Operations):
 
     @_translate
     async def read(self, fh: int, off: int, size: int) -> bytes:
+        if REMOTE_FH <= fh < WRITE_FH:
+            e, cache = self._remote_open[fh]
+            assert self.shared is not None
+            return await self.shared.read(e, off, size, cache)
         if fh >= WRITE_FH:
             return await self._maybe_thread(size, self._w().read, fh - WRITE_FH, off, size)
         try:
@@ -248,19 +315,34 @@ class Operations(pyfuse3.Operations):
 
     @_translate
     async def flush(self, fh: int) -> None:
-        # Answered (not ENOSYS) so that close(2) of a written file commits it before returning:
-        # that is what makes close-to-open visibility hold. A no-op for dataset files.
+        # Answered (not ENOSYS) so that close(2) of a written file commits it, and publishes
+        # it to the other ranks, before returning: that is what makes close-to-open
+        # visibility hold. A no-op for dataset files.
         if fh >= WRITE_FH:
             await trio.to_thread.run_sync(self._w().flush, fh - WRITE_FH)
+            await self._publish_fh(fh)
+
+    async def _publish_fh(self, fh: int) -> None:
+        if self.shared is not None:
+            path = self._w().handle_path(fh - WRITE_FH)
+            if path is not None:
+                await self.shared.publish(path)
+
+    async def _publish(self, path: bytes, exclusive: bool = False) -> None:
+        if self.shared is not None:
+            await self.shared.publish(path, exclusive)
 
     @_translate
     async def fsync(self, fh: int, datasync: bool) -> None:
         if fh >= WRITE_FH:
             await trio.to_thread.run_sync(self._w().fsync, fh - WRITE_FH)
+            await self._publish_fh(fh)
 
     @_translate
     async def release(self, fh: int) -> None:
-        if fh >= WRITE_FH:
+        if REMOTE_FH <= fh < WRITE_FH:
+            self._remote_open.pop(fh, None)
+        elif fh >= WRITE_FH:
             await trio.to_thread.run_sync(self._w().close, fh - WRITE_FH)
 
     # ------------------------------------------------------------ the write path
@@ -271,9 +353,16 @@ class Operations(pyfuse3.Operations):
         ppath = await self._dir_path(parent_inode)
         if self._in_dataset(parent_inode, name):
             raise Exists(f"{name!r} exists in the dataset")
-        if not _is_written(parent_inode):
+        if not _is_written(parent_inode) or _is_remote(parent_inode):
             w.makedirs_shadow(ppath)
-        return _join(ppath, name)
+        path = _join(ppath, name)
+        if self.shared is not None:
+            try:
+                await self.shared.stat(path)
+                raise Exists(f"{name!r} was written on another node")
+            except NotFound:
+                pass
+        return path
 
     @_translate
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
@@ -282,28 +371,39 @@ class Operations(pyfuse3.Operations):
         fh, rec = await trio.to_thread.run_sync(
             self._w().create, path, mode, flags, ctx.uid, ctx.gid
         )
+        await self._publish(path, exclusive=True)
         return pyfuse3.FileInfo(fh=WRITE_FH + fh, keep_cache=False), self._attr(rec)
 
     @_translate
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext):
         path = await self._new_path(parent_inode, name)
         rec = await trio.to_thread.run_sync(self._w().mkdir, path, mode, False, ctx.uid, ctx.gid)
+        await self._publish(path, exclusive=True)
         return self._attr(rec)
 
     async def _written_path(self, parent_inode: int, name: bytes) -> bytes:
+        """A path this rank wrote and may change (EROFS: dataset; EPERM: another rank's)."""
         if self._in_dataset(parent_inode, name):
             raise ReadOnly(f"{name!r} belongs to the read-only dataset")
-        return _join(await self._dir_path(parent_inode), name)
+        path = _join(await self._dir_path(parent_inode), name)
+        if self.shared is not None and not self._w().exists(path):
+            await self.shared.stat(path)  # NotFound if nobody wrote it
+            raise pyfuse3.FUSEError(errno.EPERM)
+        return path
 
     @_translate
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         path = await self._written_path(parent_inode, name)
         await trio.to_thread.run_sync(self._w().unlink, path)
+        if self.shared is not None:
+            await self.shared.unpublish(path)
 
     @_translate
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         path = await self._written_path(parent_inode, name)
         await trio.to_thread.run_sync(self._w().rmdir, path)
+        if self.shared is not None:
+            await self.shared.unpublish(path)
 
     @_translate
     async def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes,
@@ -315,16 +415,26 @@ class Operations(pyfuse3.Operations):
             raise ReadOnly(f"{name_new!r} belongs to the read-only dataset")
         new = await self._new_target(parent_new, name_new)
         noreplace = bool(flags & pyfuse3.RENAME_NOREPLACE)
-        await trio.to_thread.run_sync(self._w().rename, old, new, noreplace)
+        w = self._w()
+        before = [p for p, *_ in w.walk() if p == old or p.startswith(old + b"/")]
+        await trio.to_thread.run_sync(w.rename, old, new, noreplace)
+        if self.shared is not None:
+            for p in before:
+                await self.shared.unpublish(p)
+            for p, *_ in w.walk():
+                if (p == new or p.startswith(new + b"/")) and not w.is_shadow(p):
+                    await self.shared.publish(p)
 
     async def _new_target(self, parent_inode: int, name: bytes) -> bytes:
         ppath = await self._dir_path(parent_inode)
-        if not _is_written(parent_inode):
+        if not _is_written(parent_inode) or _is_remote(parent_inode):
             self._w().makedirs_shadow(ppath)
         return _join(ppath, name)
 
     @_translate
     async def setattr(self, inode: int, attr, fields, fh: int | None, ctx: pyfuse3.RequestContext):
+        if _is_remote(inode):
+            raise pyfuse3.FUSEError(errno.EPERM)
         if not _is_written(inode):
             raise pyfuse3.FUSEError(errno.EROFS)
         w = self._w()
@@ -338,7 +448,10 @@ class Operations(pyfuse3.Operations):
             w.chmod(path, attr.st_mode)
         if fields.update_mtime:
             w.utimens(path, attr.st_mtime_ns)
-        return self._attr(w.getattr(path))
+        rec = w.getattr(path)
+        if self.shared is not None and (rec.kind == KIND_DIR or not w.is_dirty(path)):
+            await self.shared.publish(path)
+        return self._attr(rec)
 
     @_translate
     async def statfs(self, ctx: pyfuse3.RequestContext):

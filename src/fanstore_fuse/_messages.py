@@ -37,6 +37,11 @@ OP_LOOKUP = 3  # body = msgpack path -> body = msgpack record
 OP_LISTDIR = 4  # arg = start << 32 | limit, body = msgpack path -> msgpack [records]
 OP_STATUS = 5  # -> msgpack dict
 OP_RECORDS = 6  # body = msgpack [entry index...] -> msgpack [records] (bulk warm-up)
+OP_W_PUBLISH = 7  # body = msgpack [entry, exclusive] -> ack (EEXIST on a conflict)
+OP_W_UNPUBLISH = 8  # body = msgpack path -> ack
+OP_W_STAT = 9  # body = msgpack path -> msgpack entry
+OP_W_LIST = 10  # body = msgpack dir path -> msgpack [entries]
+OP_W_READ = 11  # arg = chunk, body = msgpack path -> committed chunk bytes (writer only)
 OP_NAMES = {
     OP_PING: "ping",
     OP_FETCH_BLOB: "fetch_blob",
@@ -44,6 +49,11 @@ OP_NAMES = {
     OP_LISTDIR: "listdir",
     OP_STATUS: "status",
     OP_RECORDS: "records",
+    OP_W_PUBLISH: "publish",
+    OP_W_UNPUBLISH: "unpublish",
+    OP_W_STAT: "written_stat",
+    OP_W_LIST: "written_list",
+    OP_W_READ: "written_read",
 }
 
 

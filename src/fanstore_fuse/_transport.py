@@ -135,7 +135,7 @@ class MpiTransport:
         except ProtocolError as e:
             raise PeerError(f"rank {dest} sent a malformed {opname} reply: {e}") from None
         if resp.err:
-            msg = resp.body.decode(errors="replace") or os.strerror(resp.err)
+            msg = bytes(resp.body).decode(errors="replace") or os.strerror(resp.err)
             raise RemoteError(f"rank {dest} {opname}: {msg}", resp.err)
         return resp
 

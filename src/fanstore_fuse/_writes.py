@@ -555,6 +555,14 @@ class WriteStore:
         with self._lock:
             return WRITE_INODE_BASE + self._entry(path).k
 
+    def handle_path(self, fh: int) -> bytes | None:
+        """Path of the file behind an open handle (None once it was unlinked)."""
+        with self._lock:
+            e = self._ents.get(self._handle(fh).k)
+            if e is None or e.unlinked:
+                return None
+            return self._path_of(e)
+
     def path(self, inode: int) -> bytes:
         """Mount-relative path of a written inode (NotFound once it is gone)."""
         with self._lock:

@@ -1,0 +1,288 @@
+"""Files written on one rank, visible on every rank (close-to-open), over MPI.
+
+The writer keeps the data on its own SSD (`WriteStore`). It publishes each entry to the
+entry's metadata owner (`Placement.locate_metadata(path)`) and to the owner of the parent
+directory (for listings) when it creates, commits (close/fsync), renames or removes it. A flush
+waits for both acknowledgements, so once close(2) returns on the writer, a lookup or open on
+any rank finds the final size and checksums. Readers fetch committed 4 MiB chunks from the
+writer and verify each against the published xxh3 before a byte reaches them.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import trio
+
+from ._errors import ChecksumError, FanstoreError, NotFound, PeerError
+from ._format import KIND_DIR, checksum
+from ._messages import (
+    OP_W_LIST,
+    OP_W_PUBLISH,
+    OP_W_READ,
+    OP_W_STAT,
+    OP_W_UNPUBLISH,
+    Frame,
+    HandlerTable,
+    pack,
+    unpack,
+)
+from ._namespace import Record
+from ._ring import Placement
+from ._transport import MpiTransport, RemoteError
+from ._writes import CHUNK, NotCommitted, WriteStore
+
+log = logging.getLogger("fanstore_fuse.shared_writes")
+
+REMOTE_INODE_BASE = 1 << 41  # inodes of entries written on other ranks
+
+
+class Conflict(FanstoreError):
+    errno = errno.EEXIST
+
+
+@dataclass
+class Published:
+    """What every rank may learn about a written entry."""
+
+    path: bytes
+    kind: int
+    writer: int
+    mode: int
+    uid: int
+    gid: int
+    mtime_ns: int
+    size: int
+    xxh3: int = 0
+    chunks: list[int] = field(default_factory=list)
+    committed: bool = False
+
+    def wire(self) -> list[object]:
+        return [self.path, self.kind, self.writer, self.mode, self.uid, self.gid, self.mtime_ns,
+                self.size, self.xxh3, self.chunks, self.committed]
+
+    @classmethod
+    def from_wire(cls, w: object) -> Published:
+        if not isinstance(w, list) or len(w) != 11 or not isinstance(w[0], bytes):
+            raise PeerError("malformed published entry")
+        return cls(*w)  # type: ignore[arg-type]
+
+
+def _parent(path: bytes) -> bytes:
+    return path.rpartition(b"/")[0]
+
+
+class SharedWrites:
+    def __init__(self, rank: int, placement: Placement, transport: MpiTransport,
+                 store: WriteStore | None, timeout: float):
+        self.rank = rank
+        self.placement = placement
+        self.transport = transport
+        self.store = store
+        self.timeout = timeout
+        # Owner side: entries whose path we own, and listings of directories whose path we own.
+        self.entries: dict[bytes, Published] = {}
+        self.listings: dict[bytes, dict[bytes, Published]] = {}
+        # Reader side: stable inode numbers for entries written elsewhere.
+        self._inode_of: dict[bytes, int] = {}
+        self._path_of: dict[int, bytes] = {}
+        self._next = itertools.count(1)
+
+    # ------------------------------------------------------------ inodes of remote entries
+
+    def inode(self, path: bytes) -> int:
+        ino = self._inode_of.get(path)
+        if ino is None:
+            ino = REMOTE_INODE_BASE + next(self._next)
+            self._inode_of[path] = ino
+            self._path_of[ino] = path
+        return ino
+
+    def path(self, inode: int) -> bytes:
+        p = self._path_of.get(inode)
+        if p is None:
+            raise NotFound(f"inode {inode} is unknown here")
+        return p
+
+    def record(self, e: Published) -> Record:
+        name = e.path.rpartition(b"/")[2]
+        nlink = 2 if e.kind == KIND_DIR else 1
+        return Record(self.inode(e.path) - 1, name, e.kind, e.mode, e.uid, e.gid, e.mtime_ns,
+                      e.size, 0, 0, nlink)
+
+    # ------------------------------------------------------------ writer side
+
+    def describe(self, path: bytes) -> Published:
+        """The publishable state of one of this rank's written entries."""
+        assert self.store is not None
+        rec = self.store.getattr(path)
+        e = Published(path, rec.kind, self.rank, rec.mode, rec.uid, rec.gid, rec.mtime_ns,
+                      rec.size)
+        if rec.kind != KIND_DIR:
+            try:
+                info = self.store.commit_info(path)
+                e.size, e.xxh3, e.chunks, e.committed = info.size, info.xxh3, info.chunks, True
+            except NotCommitted:
+                e.size = 0
+        else:
+            e.committed = True
+        return e
+
+    async def _to(self, rank: int, op: int, body: bytes) -> Frame:
+        if rank == self.rank:
+            return await self._local(op, body)
+        return await self.transport.request(rank, Frame(op, 0, body=body), self.timeout)
+
+    async def _local(self, op: int, body: bytes) -> Frame:
+        handler = {OP_W_PUBLISH: self._h_publish, OP_W_UNPUBLISH: self._h_unpublish}[op]
+        return await handler(self.rank, Frame(op, 0, body=body))
+
+    async def publish(self, path: bytes, exclusive: bool = False) -> None:
+        """Tell the path's owner and the parent's owner; both must acknowledge."""
+        e = self.describe(path)
+        body = pack([e.wire(), exclusive])
+        owners = {self.placement.locate_metadata(path), self.placement.locate_metadata(_parent(path))}
+        errors: list[FanstoreError] = []
+
+        async def one(r: int) -> None:
+            try:
+                await self._to(r, OP_W_PUBLISH, body)
+            except FanstoreError as ex:
+                errors.append(ex)
+
+        async with trio.open_nursery() as n:
+            for r in owners:
+                n.start_soon(one, r)
+        for ex in errors:
+            if ex.errno == errno.EEXIST:
+                raise Conflict(f"{path!r} was created on another node")
+        if errors:
+            raise PeerError(f"publishing {path!r}: {errors[0]}")
+
+    async def unpublish(self, path: bytes) -> None:
+        body = pack(path)
+        owners = {self.placement.locate_metadata(path), self.placement.locate_metadata(_parent(path))}
+        async with trio.open_nursery() as n:
+            for r in owners:
+                n.start_soon(self._quiet, r, OP_W_UNPUBLISH, body)
+
+    async def _quiet(self, rank: int, op: int, body: bytes) -> None:
+        try:
+            await self._to(rank, op, body)
+        except FanstoreError as e:
+            log.warning("unpublish on rank %d: %s", rank, e)
+
+    # ------------------------------------------------------------ reader side
+
+    async def stat(self, path: bytes) -> Published:
+        owner = self.placement.locate_metadata(path)
+        if owner == self.rank:
+            e = self.entries.get(path)
+            if e is None:
+                raise NotFound(f"{path!r} not found")
+            return e
+        try:
+            resp = await self.transport.request(owner, Frame(OP_W_STAT, 0, body=pack(path)),
+                                                self.timeout)
+        except RemoteError as e:
+            if e.errno == errno.ENOENT:
+                raise NotFound(f"{path!r} not found") from None
+            raise
+        return Published.from_wire(unpack(resp.body))
+
+    async def listdir(self, path: bytes) -> list[Published]:
+        owner = self.placement.locate_metadata(path)
+        if owner == self.rank:
+            return sorted(self.listings.get(path, {}).values(), key=lambda e: e.path)
+        resp = await self.transport.request(owner, Frame(OP_W_LIST, 0, body=pack(path)),
+                                            self.timeout)
+        out = unpack(resp.body)
+        if not isinstance(out, list):
+            raise PeerError("malformed listing")
+        return [Published.from_wire(w) for w in out]
+
+    async def read_chunk(self, e: Published, k: int) -> bytes:
+        """Chunk k of a committed remote file, verified against the published checksum."""
+        if k >= len(e.chunks):
+            return b""
+        resp = await self.transport.request(e.writer, Frame(OP_W_READ, 0, k, pack(e.path)),
+                                            self.timeout)
+        data = bytes(resp.body)
+        if checksum(data) != e.chunks[k]:
+            raise ChecksumError(f"{e.path!r} chunk {k} from rank {e.writer}: checksum mismatch "
+                                "(changed since it was opened?)")
+        return data
+
+    async def read(self, e: Published, off: int, size: int, cache: dict[int, bytes]) -> bytes:
+        end = min(e.size, off + size)
+        parts = []
+        pos = off
+        while pos < end:
+            k = pos // CHUNK
+            data = cache.get(k)
+            if data is None:
+                data = await self.read_chunk(e, k)
+                cache.clear()
+                cache[k] = data
+            base = k * CHUNK
+            parts.append(data[pos - base : min(end, base + len(data)) - base])
+            pos = base + len(data)
+            if not data:
+                break
+        return b"".join(parts)
+
+    # ------------------------------------------------------------ handlers (owner / writer)
+
+    def register(self, table: HandlerTable) -> None:
+        table.register(OP_W_PUBLISH, self._h_publish)
+        table.register(OP_W_UNPUBLISH, self._h_unpublish)
+        table.register(OP_W_STAT, self._h_stat)
+        table.register(OP_W_LIST, self._h_list)
+        table.register(OP_W_READ, self._h_read)
+
+    async def _h_publish(self, src: int, req: Frame) -> Frame:
+        w = unpack(req.body)
+        if not isinstance(w, list) or len(w) != 2:
+            raise PeerError("malformed publish")
+        e, exclusive = Published.from_wire(w[0]), bool(w[1])
+        if self.placement.locate_metadata(e.path) == self.rank:
+            old = self.entries.get(e.path)
+            if exclusive and old is not None and old.writer != e.writer:
+                raise Conflict(f"{e.path!r} exists (written on rank {old.writer})")
+            self.entries[e.path] = e
+        parent = _parent(e.path)
+        if self.placement.locate_metadata(parent) == self.rank:
+            self.listings.setdefault(parent, {})[e.path] = e
+        return Frame(req.op, req.req_id)
+
+    async def _h_unpublish(self, src: int, req: Frame) -> Frame:
+        path = unpack(req.body)
+        if not isinstance(path, bytes):
+            raise PeerError("malformed unpublish")
+        self.entries.pop(path, None)
+        listing = self.listings.get(_parent(path))
+        if listing is not None:
+            listing.pop(path, None)
+        return Frame(req.op, req.req_id)
+
+    async def _h_stat(self, src: int, req: Frame) -> Frame:
+        path = unpack(req.body)
+        e = self.entries.get(path) if isinstance(path, bytes) else None
+        if e is None:
+            raise NotFound(f"{path!r} not found")
+        return Frame(req.op, req.req_id, body=pack(e.wire()))
+
+    async def _h_list(self, src: int, req: Frame) -> Frame:
+        path = unpack(req.body)
+        listing = self.listings.get(path, {}) if isinstance(path, bytes) else {}
+        return Frame(req.op, req.req_id, body=pack([e.wire() for e in listing.values()]))
+
+    async def _h_read(self, src: int, req: Frame) -> Frame:
+        path = unpack(req.body)
+        if self.store is None or not isinstance(path, bytes):
+            raise NotFound("no written files here")
+        data = await trio.to_thread.run_sync(self.store.read_committed_chunk, path, req.arg)
+        return Frame(req.op, req.req_id, req.arg, data)
