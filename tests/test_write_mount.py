@@ -1,0 +1,198 @@
+"""The write path through real mounts: new files next to the read-only dataset, visible on every
+rank after close, staged out at umount, recoverable after a crash (issue 4)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from _harness import cli_env, prep_cli, run_cli, status_ranks
+
+pytestmark = [pytest.mark.mount]
+
+
+@pytest.fixture
+def dest(src_tree: Path, tmp_path: Path) -> Path:
+    return prep_cli(src_tree, tmp_path / "dest", "--chunk-mib", "1", "-p", "2")
+
+
+def _tree_bytes(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()
+    }
+
+
+def _torch_save_like(path: Path, payload: bytes, step: int = 4096) -> None:
+    with open(path, "wb") as f:  # many small writes, as torch.save does
+        for i in range(0, len(payload), step):
+            f.write(payload[i : i + step])
+
+
+@pytest.mark.timeout(120)
+def test_single_node_writes_read_back_and_stage_out(dest: Path, tmp_path: Path, mount_factory):
+    m = mount_factory(dest, local=str(tmp_path / "local"))
+    p = m.path
+    rng = random.Random(4)
+    ckpt = rng.randbytes(20 << 20)
+    (p / "ckpt").mkdir()
+    _torch_save_like(p / "ckpt" / "model.pt", ckpt)
+    assert (p / "ckpt" / "model.pt").read_bytes() == ckpt
+    # into a dataset directory, append and overwrite
+    (p / "classes" / "notes.txt").write_text("one\n")
+    with open(p / "classes" / "notes.txt", "a") as f:
+        f.write("two\n")
+    assert (p / "classes" / "notes.txt").read_text() == "one\ntwo\n"
+    (p / "classes" / "notes.txt").write_text("over\n")
+    assert (p / "classes" / "notes.txt").read_text() == "over\n"
+    # truncate, rename, unlink, rmdir
+    os.truncate(p / "ckpt" / "model.pt", 1000)
+    assert (p / "ckpt" / "model.pt").read_bytes() == ckpt[:1000]
+    os.rename(p / "ckpt" / "model.pt", p / "ckpt" / "final.pt")
+    assert sorted(os.listdir(p / "ckpt")) == ["final.pt"]
+    (p / "tmp.txt").write_text("x")
+    os.unlink(p / "tmp.txt")
+    (p / "gone").mkdir()
+    os.rmdir(p / "gone")
+    assert not (p / "gone").exists() and not (p / "tmp.txt").exists()
+    # the dataset stays read-only, and its names are taken
+    for op, code in [
+        (lambda: open(p / "empty", "w"), errno.EROFS),
+        (lambda: os.unlink(p / "big.bin"), errno.EROFS),
+        (lambda: os.mkdir(p / "classes"), errno.EEXIST),
+        (lambda: os.rename(p / "ckpt" / "final.pt", p / "big.bin"), errno.EROFS),
+    ]:
+        with pytest.raises(OSError) as ei:
+            op()
+        assert ei.value.errno == code
+    os.chmod(p / "ckpt" / "final.pt", 0o600)
+    assert (p / "ckpt" / "final.pt").stat().st_mode & 0o777 == 0o600
+    st = status_ranks(m.status())[0]
+    assert st["writes"]["bytes_written"] >= len(ckpt)
+    out = tmp_path / "out"
+    r = run_cli("umount", m.template, "--stage-out", out, env=m.env)
+    m.umount_result = r
+    assert "staged out 2 files" in r.stderr
+    assert _tree_bytes(out) == {"ckpt/final.pt": ckpt[:1000], "classes/notes.txt": b"over\n"}
+    assert (out / "ckpt" / "final.pt").stat().st_mode & 0o777 == 0o600
+    assert not (tmp_path / "local").exists()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+def test_written_on_one_rank_read_on_another_after_close(dest: Path, tmp_path: Path,
+                                                          mount_factory):
+    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=3,
+                      local=str(tmp_path / "local" / "{rank}"))
+    r0, r1, r2 = (Path(mp) for mp in m.mountpoints)
+    rng = random.Random(7)
+    written: dict[str, bytes] = {}
+    (r1 / "ckpt").mkdir()
+    for k in range(3):
+        data = rng.randbytes(rng.choice([0, 1, 5000, (6 << 20) + 17]))
+        _torch_save_like(r1 / "ckpt" / f"epoch{k}.pt", data, 65536)
+        written[f"ckpt/epoch{k}.pt"] = data
+        # right after close, every other rank sees the final size and bytes
+        for other in (r0, r2):
+            assert (other / "ckpt" / f"epoch{k}.pt").stat().st_size == len(data)
+            assert (other / "ckpt" / f"epoch{k}.pt").read_bytes() == data
+    assert sorted(os.listdir(r2 / "ckpt")) == ["epoch0.pt", "epoch1.pt", "epoch2.pt"]
+    # logs appended on rank 2 are read on rank 0 after each close
+    log = r2 / "a" / "b" / "train.log"
+    text = ""
+    for step in range(5):
+        with open(log, "a") as f:
+            f.write(f"step {step}\n")
+        text += f"step {step}\n"
+        assert (r0 / "a" / "b" / "train.log").read_text() == text
+    written["a/b/train.log"] = text.encode()
+    # only the writing rank may change a file; a name written elsewhere is taken
+    with pytest.raises(OSError) as ei:
+        os.unlink(r0 / "ckpt" / "epoch0.pt")
+    assert ei.value.errno == errno.EPERM
+    with pytest.raises(OSError) as ei:
+        open(r0 / "ckpt" / "epoch0.pt", "r+b")
+    assert ei.value.errno == errno.EPERM
+    os.rename(r1 / "ckpt" / "epoch2.pt", r1 / "ckpt" / "last.pt")
+    written["ckpt/last.pt"] = written.pop("ckpt/epoch2.pt")
+    assert sorted(os.listdir(r0 / "ckpt")) == ["epoch0.pt", "epoch1.pt", "last.pt"]
+    assert (r0 / "ckpt" / "last.pt").read_bytes() == written["ckpt/last.pt"]
+    out = tmp_path / "out"
+    r = run_cli("umount", m.template, "--stage-out", out, env=m.env)
+    m.umount_result = r
+    assert _tree_bytes(out) == written
+    assert not list((tmp_path / "local").glob("*/*"))
+
+
+@pytest.mark.timeout(120)
+def test_full_local_disk_gives_enospc_and_keeps_earlier_data(dest: Path, tmp_path: Path,
+                                                              mount_factory):
+    local = tmp_path / "tmpfs"
+    local.mkdir()
+    size = sum(f.stat().st_size for f in dest.iterdir()) + (3 << 20)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(local)], check=True)
+    try:
+        m = mount_factory(dest, local=str(local / "l"))
+        first = os.urandom(1 << 20)
+        (m.path / "first.bin").write_bytes(first)
+        with pytest.raises(OSError) as ei, open(m.path / "huge.bin", "wb") as f:
+            for _ in range(64):
+                f.write(os.urandom(1 << 20))
+                f.flush()
+        assert ei.value.errno == errno.ENOSPC
+        assert (m.path / "first.bin").read_bytes() == first
+        assert "ENOSPC" in m.log_text() or "No space" in m.log_text() or "full" in m.log_text()
+        m.umount()
+    finally:
+        subprocess.run(["umount", "-l", str(local)], check=False)
+
+
+@pytest.mark.timeout(120)
+def test_write_quota(dest: Path, tmp_path: Path, mount_factory):
+    m = mount_factory(dest, extra_args=["--write-quota", "2M"])
+    (m.path / "ok.bin").write_bytes(b"x" * (1 << 20))
+    with pytest.raises(OSError) as ei:
+        (m.path / "too-big.bin").write_bytes(b"y" * (3 << 20))
+    assert ei.value.errno in (errno.EDQUOT, errno.ENOSPC)
+    assert (m.path / "ok.bin").read_bytes() == b"x" * (1 << 20)
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_then_recover_rescues_every_closed_file(dest: Path, tmp_path: Path,
+                                                        mount_factory):
+    local = tmp_path / "local"
+    m = mount_factory(dest, local=str(local))
+    closed = {}
+    (m.path / "out").mkdir()
+    for k in range(5):
+        data = os.urandom(100_000 * (k + 1))
+        (m.path / "out" / f"f{k}.bin").write_bytes(data)
+        closed[f"out/f{k}.bin"] = data
+    f = open(m.path / "out" / "unclosed.bin", "wb")
+    f.write(b"partial" * 1000)
+    f.flush()
+    st = m.state()
+    assert st is not None
+    os.kill(st.pids[0], signal.SIGKILL)
+    time.sleep(0.3)
+    with contextlib.suppress(OSError):
+        f.close()
+    # umount of the dead mount cleans up but keeps the written data for recover
+    r = m.umount()
+    assert "recover" in r.stderr
+    assert not os.path.ismount(m.path)
+    out = tmp_path / "rescued"
+    r = run_cli("recover", local, "--stage-out", out, env=cli_env(m.state_dir), check=False)
+    assert _tree_bytes(out) == closed, r.stderr
+    assert "unclosed" in r.stderr and "unclosed.bin" in r.stderr  # reported, not lost silently
+    assert r.returncode == 0, r.stderr  # every closed file was saved
+    # a new mount over a local dir with unrecovered writes is refused with a clear message
+    r = run_cli("mount", dest, m.path, "--local", local, env=cli_env(m.state_dir), check=False)
+    assert r.returncode != 0 and "recover" in r.stderr
