@@ -103,6 +103,106 @@ def measure(
     return res
 
 
+def measure_interleaved(
+    systems: list[_anchors.System], ds: _datasets.Dataset, cfg: argparse.Namespace, results: dict
+) -> None:
+    """Single-node systems, all mounted at once and measured in turn, workload by workload.
+
+    The machine is shared and its load drifts over minutes; measuring system after system would
+    put that drift into the ratios. Here each comparison (same tree, readers, cold/warm) is a few
+    seconds apart for every system, and the order rotates between repetitions. Idle daemons
+    (squashfuse, ratarmount, a single-rank fanstore-fuse) cost no CPU while another is measured.
+    """
+    live: list[_anchors.System] = []
+    out = results["systems"]
+    try:
+        for system in systems:
+            res = out[system.key] = {"label": system.label, "available": system.available}
+            if not system.available:
+                res["error"] = f"n/a ({system.why})"
+                log(f"{system.label}: {res['error']}")
+                continue
+            try:
+                if cfg.prep_for.get(system.key, True):
+                    log(f"{system.label}: prep")
+                    res["prep"] = system.prep()
+                    log(f"{system.label}: prep {res['prep'].get('prep_s', 0):.2f}s")
+                log(f"{system.label}: mount")
+                res["mount"] = system.mount()
+                log(f"{system.label}: mounted in {res['mount']['mount_s']:.2f}s at {system.root}")
+                live.append(system)
+            except Exception as e:  # noqa: BLE001
+                res["error"] = f"failed: {type(e).__name__}: {str(e)[:500]}"
+                log(f"{system.label}: {res['error']}")
+                _umount(system, res, cfg)
+        # stat of every file on each fresh mount (nothing has looked inside yet), then ls -lR
+        for system in list(live):
+            res = out[system.key]
+            try:
+                res["stat"] = _workload.stat_rate(system.root, ds.all_files, timeout=cfg.timeout)
+                res["ls_cold"] = _workload.ls_lr(system.root, cold=True, timeout=cfg.timeout)
+                res["ls_warm"] = _workload.ls_lr(system.root, cold=False, timeout=cfg.timeout)
+                log(f"{system.label}: stat {_fmt(res['stat'], 'files_per_s')} files/s, ls -lR "
+                    f"{_fmt(res['ls_cold'], 'seconds', 3)}s cold")  # fmt: skip
+            except Exception as e:  # noqa: BLE001
+                _fail(system, res, e, live, cfg)
+        samples: dict = {}
+        for wl in WORKLOADS:
+            files = getattr(ds, wl)
+            for r in cfg.readers:
+                if _over_budget(cfg):
+                    log(f"{wl} {r} reader(s) skipped: time budget spent")
+                    for system in live:
+                        for temp in ("cold", "warm"):
+                            out[system.key].setdefault("reads", {}).setdefault(wl, {}).setdefault(
+                                temp, {})[str(r)] = {"error": "skipped (time budget spent)"}
+                    continue
+                for rep in range(cfg.repeat):
+                    k = rep % max(1, len(live))
+                    for system in live[k:] + live[:k]:
+                        for temp in ("cold", "warm"):
+                            try:
+                                m = _timed_with_counters(system, partial(
+                                    _workload.read_rate, system.root, files, r,
+                                    cold=temp == "cold", seed=cfg.seed + 101 * rep + r,
+                                    large=wl == "large", timeout=cfg.timeout,
+                                ))  # fmt: skip
+                            except Exception as e:  # noqa: BLE001
+                                m = {"error": f"{type(e).__name__}: {e}"}
+                            samples.setdefault((system.key, wl, r, temp), []).append(m)
+                for system in live:
+                    unit = "MB_per_s" if wl == "large" else "files_per_s"
+                    for temp in ("cold", "warm"):
+                        m = _workload.median(samples.get((system.key, wl, r, temp), []), unit)
+                        out[system.key].setdefault("reads", {}).setdefault(wl, {}).setdefault(
+                            temp, {})[str(r)] = m
+                        log(f"{system.label}: {wl:5s} {temp} {r} reader(s): {_fmt(m, unit)} "
+                            f"{'MB/s' if wl == 'large' else 'files/s'}"
+                            + (f" (samples {m.get('samples')})" if cfg.repeat > 1 else ""))  # fmt: skip
+        for system in live:
+            if cfg.profile and system.key.startswith("fanstore"):
+                out[system.key]["profiles"] = profile_runs(system, ds, cfg)
+    finally:
+        for system in systems:
+            if system.key in out:
+                _umount(system, out[system.key], cfg)
+
+
+def _fail(system, res, e, live, cfg) -> None:
+    res["error"] = f"failed: {type(e).__name__}: {str(e)[:500]}"
+    log(f"{system.label}: {res['error']}")
+    if system in live:
+        live.remove(system)
+    _umount(system, res, cfg)
+
+
+def _umount(system, res, cfg) -> None:
+    problems = system.umount()
+    if problems:
+        res.setdefault("problems", []).extend(problems)
+        log(f"{system.label}: teardown problems: {problems}")
+
+
 def _delta(before: dict | None, after: dict | None) -> dict:
     if not before or not after:
         return {}
@@ -347,6 +447,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale-timeout", type=float, default=120)
     ap.add_argument("--work", default=None, help="scratch dir (default: a fresh dir in /tmp)")
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--no-interleave", dest="interleave", action="store_false",
+                    help="measure the single-node systems one after the other instead of "
+                    "mounting them together and alternating them workload by workload")  # fmt: skip
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--profile", nargs="?", const="small.cold.1,small.warm.1,large.warm.1,stat",
                     default=None, help="py-spy the fanstore-fuse daemons during extra runs of "
@@ -401,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
             "partitions": cfg.partitions,
             "readers": cfg.readers,
             "repeat": cfg.repeat,
+            "interleave": cfg.interleave,
             "multi_rank_repeat": cfg.multi_repeat,
             "multi_rank_max_files": cfg.multi_max_files,
             "budget_s": cfg.budget,
@@ -443,10 +547,19 @@ def main(argv: list[str] | None = None) -> int:
                 systems.append(fsn)
             else:
                 ap.error(f"unknown system {name}")
-        for s in systems:
-            results["systems"][s.key] = measure(s, ds, cfg, results)
-            if s is fs1 and "prep" not in results["systems"][s.key]:
-                fsn.available, fsn.why = False, "fanstore-fuse prep did not run"
+        single = [s for s in systems if s is not fsn]
+        if cfg.interleave:
+            measure_interleaved(single, ds, cfg, results)
+        else:
+            for s in single:
+                results["systems"][s.key] = measure(s, ds, cfg, results)
+        if fs1 in single and "prep" not in results["systems"].get(fs1.key, {}):
+            fsn.available, fsn.why = False, "fanstore-fuse prep did not run"
+        if fsn in systems:  # alone: its ranks' MPI threads poll, which would load the others
+            results["systems"][fsn.key] = measure(fsn, ds, cfg, results)
+        left = mounts_under(cfg.work)
+        if left:
+            log(f"ERROR: mounts left after the measurements: {left}")
         # stage-in anchor: cp -r of the prepped fanstore DEST (cold)
         if fs1.dest.exists():
             log("stage-in anchor: cp -r DEST")
