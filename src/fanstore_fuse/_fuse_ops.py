@@ -16,17 +16,17 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pyfuse3
 import trio
 
-from ._errors import FanstoreError, NotFound, ReadOnly
+from ._errors import FanstoreError, NotFound, PeerError, ReadOnly
 from ._format import KIND_DIR
 from ._namespace import Record
 from ._node import Node
+from ._shared_writes import REMOTE_INODE_BASE
 from ._writes import WRITE_INODE_BASE, Exists
 
 if TYPE_CHECKING:
     from ._shared_writes import Published, SharedWrites
     from ._writes import WriteStore
 
-REMOTE_INODE_BASE = 1 << 41  # entries written on other ranks (see _shared_writes)
 REMOTE_FH = 1 << 61  # handles of files written on other ranks
 
 log = logging.getLogger("fanstore_fuse.fuse")
@@ -231,7 +231,12 @@ class Operations(pyfuse3.Operations):
                 out = []
         if self.shared is not None:
             seen = {r.name for r in out}
-            for e in await self.shared.listdir(path):
+            try:
+                remote = await self.shared.listdir(path)
+            except PeerError as e:  # a silent owner must not break listing the dataset
+                log.warning("listing %r without files written elsewhere: %s", path, e)
+                remote = []
+            for e in remote:
                 r = self.shared.record(e)
                 if r.name not in seen and e.writer != self.shared.rank:
                     out.append(r)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import trio
@@ -38,6 +39,7 @@ from ._writes import CHUNK, NotCommitted, WriteStore
 log = logging.getLogger("fanstore_fuse.shared_writes")
 
 REMOTE_INODE_BASE = 1 << 41  # inodes of entries written on other ranks
+SILENT_SECONDS = 30.0
 
 
 class Conflict(FanstoreError):
@@ -90,6 +92,7 @@ class SharedWrites:
         self._inode_of: dict[bytes, int] = {}
         self._path_of: dict[int, bytes] = {}
         self._next = itertools.count(1)
+        self._silent: dict[int, float] = {}  # ranks that timed out: skipped for a while
 
     # ------------------------------------------------------------ inodes of remote entries
 
@@ -197,8 +200,14 @@ class SharedWrites:
         owner = self.placement.locate_metadata(path)
         if owner == self.rank:
             return sorted(self.listings.get(path, {}).values(), key=lambda e: e.path)
-        resp = await self.transport.request(owner, Frame(OP_W_LIST, 0, body=pack(path)),
-                                            self.timeout)
+        if self._silent.get(owner, 0.0) > time.monotonic():
+            raise PeerError(f"rank {owner} timed out recently")
+        try:
+            resp = await self.transport.request(owner, Frame(OP_W_LIST, 0, body=pack(path)),
+                                                self.timeout)
+        except PeerError:
+            self._silent[owner] = time.monotonic() + SILENT_SECONDS
+            raise
         out = unpack(resp.body)
         if not isinstance(out, list):
             raise PeerError("malformed listing")

@@ -9,7 +9,6 @@ report are verified afterwards by the caller.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import mmap
 import os
@@ -22,6 +21,7 @@ import torch
 
 from ._errors import TensorIOError
 from ._format import PAGE, Chunk, Layout
+from ._hostbuf import alloc_host  # noqa: F401  (re-exported for the API layer)
 
 OnChunk = Callable[[Chunk, Any, int], None]  # (chunk, host buffer, data offset of buffer[0])
 
@@ -48,21 +48,6 @@ def pool() -> ThreadPoolExecutor:
 def host_view(t: torch.Tensor) -> memoryview:
     """A writable memoryview over a CPU uint8 tensor's bytes."""
     return memoryview(t.numpy()) if t.numel() else memoryview(bytearray())
-
-
-def alloc_host(nbytes: int) -> torch.Tensor:
-    """A page-aligned uint8 CPU tensor backed by an anonymous mapping with huge pages advised.
-
-    Huge pages cut the page-fault cost of filling a fresh buffer several-fold; the mapping is
-    released when the last tensor viewing it is freed.
-    """
-    if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE") and nbytes >= (2 << 20):
-        with contextlib.suppress(OSError):
-            mm.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(mm, dtype=torch.uint8)
 
 
 def pread_full(fd: int, buf: memoryview, offset: int) -> None:
