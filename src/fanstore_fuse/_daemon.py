@@ -255,10 +255,11 @@ def serve(cfg: MountConfig) -> int:
                 rank, m.node, placement, m.store, transport, local_src.threshold
             )
             m.node.gather_status = make_gather_status(rank, nranks, m.node, transport, 5.0)
-            from ._shared_writes import SharedWrites
+            if cfg.writable:
+                from ._shared_writes import SharedWrites
 
-            m.shared = SharedWrites(rank, placement, transport, m.writes, cfg.peer_timeout)
-            m.shared.register(transport.handlers)
+                m.shared = SharedWrites(rank, placement, transport, m.writes, cfg.peer_timeout)
+                m.shared.register(transport.handlers)
             if cfg.warm_metadata:
                 async def warm() -> None:
                     n = await meta.warm(nranks)
