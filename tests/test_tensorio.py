@@ -582,3 +582,28 @@ def test_consistent_checksum_but_inconsistent_header_refused(tmp_path: Path, ent
     p.write_bytes(header + bytes(4096))
     with pytest.raises(tio.TensorFormatError):
         tio.load(p)
+
+
+def test_host_buffers_are_recycled_and_overwritten(tmp_path: Path):
+    import gc
+
+    from fanstore_fuse.tensorio import _hostbuf
+
+    gc.collect()
+    _hostbuf.clear_cache()
+    a = {"x": torch.randn(1 << 20)}  # 4 MiB
+    b = {"x": torch.randn(1 << 20)}
+    tio.save(a, tmp_path / "a.fst")
+    tio.save(b, tmp_path / "b.fst")
+    out = tio.load(tmp_path / "a.fst")
+    keep = out["x"][:3]
+    del out
+    gc.collect()
+    assert _hostbuf.cached_bytes() == 0  # a view is alive: nothing recycled
+    del keep
+    gc.collect()
+    assert _hostbuf.cached_bytes() > 0
+    again = tio.load(tmp_path / "b.fst")  # reuses the buffer; every byte rewritten
+    assert _hostbuf.cached_bytes() == 0
+    assert torch.equal(again["x"], b["x"])
+    _hostbuf.clear_cache()
