@@ -285,6 +285,13 @@ def render(results: dict) -> str:
         + " (FUSE daemons' own caches are not dropped); MB = 10^6 bytes."
     )
     out.append("")
+    for k in keys:
+        sub = S[k].get("subset")
+        if sub:
+            out.append(f"{S[k]['label']} read an evenly spread subset (" + ", ".join(
+                f"{n:,} of {ds['files'][w]:,} {w}" for w, n in sub.items())
+                + f"), {meta.get('multi_rank_repeat', 1)}× per case, to fit the time budget.")  # fmt: skip
+            out.append("")
     na = [f"- **{S[k]['label']}**: {S[k]['error']}" for k in keys if "error" in S[k]]
     if na:
         out += ["Not measured / failed:", *na, ""]
