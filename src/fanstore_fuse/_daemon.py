@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,13 +149,17 @@ def _setup(cfg: MountConfig, rank: int, nranks: int, m: _Mounted) -> Placement:
             if r is not None:
                 r.append((off[b], stored[b]))
         shares = {p: r for p, r in shares.items() if r is None or r}
+    t0 = time.perf_counter()
     res = stage_in(cfg.dest, m.local, manifest, shares)
+    dt = time.perf_counter() - t0
     m.held = {
         "blobs_held": len(held),
         "bytes_held": sum(manifest.blobs["raw"][b] for b in held),
         "staged_bytes": res.bytes,
+        "stage_in_us": int(dt * 1e6),
     }
-    log.info("rank %d staged %d partitions, %d bytes into %s", rank, res.partitions, res.bytes, m.local)
+    log.info("rank %d staged %d partitions, %d bytes into %s in %.3f s (%.0f MB/s)", rank,
+             res.partitions, res.bytes, m.local, dt, res.bytes / max(dt, 1e-9) / 1e6)
     m.store = BlobStore(manifest, m.local)
     if cfg.writable:
         m.writes = WriteStore(m.local, rank, cfg.write_quota)
