@@ -38,6 +38,10 @@ def cli_env(state_dir: str | os.PathLike[str] | None = None, **extra: str) -> di
     env = dict(os.environ)
     if state_dir is not None:
         env["FANSTORE_STATE_DIR"] = os.fspath(state_dir)
+        # Default local dirs go under the test's own tmp dir, never into the shared /tmp.
+        tmp = os.path.join(os.path.dirname(os.path.abspath(state_dir)), "tmpdir")
+        os.makedirs(tmp, exist_ok=True)
+        env["TMPDIR"] = tmp
     env.update(extra)
     return env
 
