@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -27,6 +28,7 @@ class BlobStore:
         self._part, self._off, self._stored = b["part"], b["offset"], b["stored"]
         self._raw, self._codec, self._xxh = b["raw"], b["codec"], b["xxh3"]
         self._fds: dict[int, int] = {}
+        self._nowait = hasattr(os, "RWF_NOWAIT")
         self._lock = threading.Lock()
 
     def where(self, blob: int) -> str:
@@ -64,6 +66,24 @@ class BlobStore:
         if len(data) != n:
             raise ChecksumError(f"{self.where(blob)}: partition truncated")
         return data
+
+    def stored_if_cached(self, blob: int) -> bytes | None:
+        """The stored bytes if the page cache has them all (RWF_NOWAIT), else None at once:
+        lets the event loop read hot blobs inline and send cold ones to a thread."""
+        if not self._nowait:
+            return None
+        n = self._stored[blob]
+        buf = bytearray(n)
+        try:
+            k = os.preadv(self._fd(self._part[blob]), [buf], self._off[blob], os.RWF_NOWAIT)
+        except BlockingIOError:
+            return None
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                self._nowait = False
+                return None
+            raise ChecksumError(f"{self.where(blob)}: read failed: {e.strerror}") from None
+        return bytes(buf) if k == n else None
 
     def stored_into(self, blob: int, buf: memoryview) -> None:
         """Read the stored bytes of `blob` into `buf` (exactly its stored size), no extra copy."""

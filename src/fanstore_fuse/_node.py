@@ -45,12 +45,14 @@ class LocalBlobSource:
 
     async def fetch(self, blob: int) -> bytes:
         self.stats.local_reads += 1
-        if self.store.stored_size(blob) >= self.threshold or self.store.raw_size(blob) >= (
-            4 * self.threshold
-        ):
-            data = await trio.to_thread.run_sync(self.store.raw, blob, limiter=self._limiter)
-        else:
-            data = self.store.raw(blob)
+        store = self.store
+        stored = None
+        if store.stored_size(blob) < self.threshold and store.raw_size(blob) < 4 * self.threshold:
+            stored = store.stored_if_cached(blob)  # never waits on the disk
+        if stored is not None:
+            data = store.decode(blob, stored)
+        else:  # big, or not in the page cache: off the event loop
+            data = await trio.to_thread.run_sync(store.raw, blob, limiter=self._limiter)
         self.stats.local_bytes += len(data)
         return data
 
