@@ -229,7 +229,12 @@ def test_mount_error_is_one_line_with_a_long_path(tmp_path: Path, state_dir: Pat
 def test_default_local_dir_removed(dest: Path, tmp_path: Path, state_dir: Path):
     mp = tmp_path / "mp"
     with mounted(dest, mp, state_dir) as m:
-        local = _mountctl.default_local_dir(str(mp))
+        st = m.state()
+        assert st is not None and len(st.local_dirs) == 1
+        local = st.local_dirs[0]
+        # the default: $TMPDIR/fanstore-fuse-$UID/local-<hash of the mountpoint>
+        assert os.path.basename(local) == os.path.basename(_mountctl.default_local_dir(str(mp)))
+        assert local.startswith(m.env["TMPDIR"])
         assert os.path.exists(os.path.join(local, MANIFEST_NAME))
         assert m.state() is not None and m.state().local_dirs == [local]
         m.umount()
