@@ -1,4 +1,4 @@
-"""Host buffers for loads: anonymous mappings with huge pages advised, recycled when freed.
+"""Host buffers for loads: page-aligned anonymous mappings, recycled when freed.
 
 Fresh memory is expensive: every page is zeroed and faulted in, and on a VM with free-page
 reporting each freed page must be faulted in again at the host level (measured here: a 1 GB
@@ -6,6 +6,11 @@ load spent up to 2 s of CPU in faults). So when the last tensor viewing a buffer
 mapping goes back to a small process-wide cache (bounded by ``FANSTORE_TENSORIO_HOST_CACHE_MB``,
 default min(2 GiB, RAM/8); 0 disables) and the next load of a similar size reuses it, already
 faulted in. A reused buffer is always entirely overwritten by the read before it is exposed.
+
+``FANSTORE_TENSORIO_HUGEPAGES=1`` advises transparent huge pages on new buffers. Off by default:
+on this VM a first touch of 1 GB took 2.4 s with huge pages against 0.4 s without (huge pages
+come from memory the host has not backed yet), and a fresh-process 100 MB load 170-310 ms
+against 48-79 ms. On bare metal they may win; measure with `python -m bench.tensorio`.
 """
 
 from __future__ import annotations
@@ -34,6 +39,10 @@ def _cap() -> int:
     except (ValueError, OSError):
         ram = 16 << 30
     return min(2 << 30, ram // 8)
+
+
+def _huge() -> bool:
+    return os.environ.get("FANSTORE_TENSORIO_HUGEPAGES", "0") not in ("0", "", "off")
 
 
 class _Holder:
@@ -89,7 +98,7 @@ def alloc_host(nbytes: int) -> torch.Tensor:
     mm = _take(size)
     if mm is None:
         mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE") and size >= HUGE:
+        if hasattr(mmap, "MADV_HUGEPAGE") and size >= HUGE and _huge():
             with contextlib.suppress(OSError):
                 mm.madvise(mmap.MADV_HUGEPAGE)
     arr = np.asarray(_Holder(mm))
