@@ -56,6 +56,8 @@ def metrics(readers: list[int]) -> list[Metric]:
     out += [
         ("stat", "stat every file, fresh mount", "files/s",
          lambda s: _num(_get(s, "stat", "files_per_s")), True),
+        ("walkstat", "walk + stat every file (ImageFolder), cold", "files/s",
+         lambda s: _num(_get(s, "walkstat", "files_per_s")), True),
         ("ls.cold", "ls -lR, cold", "s", lambda s: _num(_get(s, "ls_cold", "seconds")), False),
         ("ls.warm", "ls -lR, warm", "s", lambda s: _num(_get(s, "ls_warm", "seconds")), False),
         ("prep", "prep (image build)", "s", lambda s: _num(_get(s, "prep", "prep_s")), False),
@@ -134,6 +136,8 @@ def checks(results: dict) -> list[dict]:
         "MB_per_s")), "mpi Send/Recv", mpi_MBps(results), 0.7, note=note)  # fmt: skip
     add("stat every file vs ratarmount", _num(_get(fs1, "stat", "files_per_s")), "ratarmount",
         _num(_get(S.get("ratarmount", {}), "stat", "files_per_s")), 2.0)  # fmt: skip
+    add("walk + stat every file vs ratarmount", _num(_get(fs1, "walkstat", "files_per_s")),
+        "ratarmount", _num(_get(S.get("ratarmount", {}), "walkstat", "files_per_s")), 2.0)  # fmt: skip
     p_fs = _num(_get(fs1, "prep", "prep_s"))
     p_sq = _num(_get(S.get("squashfuse", {}), "prep", "prep_s"))
     add("prep vs mksquashfs (speed = time ratio)", p_fs, "mksquashfs", p_sq, 1.0,

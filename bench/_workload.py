@@ -55,7 +55,18 @@ def _stat_items(items: Sequence[Item]) -> tuple[int, int]:
     return 0, n
 
 
-_OPS = {"read": _read_items, "stat": _stat_items}
+def _walkstat_items(items: Sequence[Item]) -> tuple[int, int]:
+    """os.walk every root, then stat every file found (torchvision ImageFolder's pattern)."""
+    n = 0
+    for root, _o, _l in items:
+        for d, _dirs, files in os.walk(root):
+            for f in files:
+                os.stat(os.path.join(d, f))
+                n += 1
+    return 0, n
+
+
+_OPS = {"read": _read_items, "stat": _stat_items, "walkstat": _walkstat_items}
 
 
 def _child(op: str, items: Sequence[Item], barrier, q) -> None:  # pragma: no cover - in child
@@ -172,6 +183,14 @@ def stat_rate(root: str, files: Sequence[tuple[str, int]], timeout: float = 600)
     items = [(os.path.join(root, rel), 0, -1) for rel, _ in files]
     dropped = drop_caches()
     r = run_parallel("stat", [items], timeout)
+    r["caches_dropped"] = dropped
+    return r
+
+
+def walk_stat_rate(root: str, timeout: float = 600) -> dict:
+    """List every directory (READDIRPLUS on FUSE) then stat every file, from cold caches."""
+    dropped = drop_caches()
+    r = run_parallel("walkstat", [[(root, 0, -1)]], timeout)
     r["caches_dropped"] = dropped
     return r
 

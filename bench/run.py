@@ -46,6 +46,7 @@ def measure(
         root = system.root
         # stat of every file on the fresh mount (nothing has looked at it yet)
         res["stat"] = _workload.stat_rate(root, ds.all_files, timeout=cfg.timeout)
+        res["walkstat"] = _workload.walk_stat_rate(root, timeout=cfg.timeout)
         res["ls_cold"] = _workload.ls_lr(root, cold=True, timeout=cfg.timeout)
         res["ls_warm"] = _workload.ls_lr(root, cold=False, timeout=cfg.timeout)
         log(f"{system.label}: stat {_fmt(res['stat'], 'files_per_s')} files/s, ls -lR "
@@ -140,6 +141,7 @@ def measure_interleaved(
             res = out[system.key]
             try:
                 res["stat"] = _workload.stat_rate(system.root, ds.all_files, timeout=cfg.timeout)
+                res["walkstat"] = _workload.walk_stat_rate(system.root, timeout=cfg.timeout)
                 res["ls_cold"] = _workload.ls_lr(system.root, cold=True, timeout=cfg.timeout)
                 res["ls_warm"] = _workload.ls_lr(system.root, cold=False, timeout=cfg.timeout)
                 log(f"{system.label}: stat {_fmt(res['stat'], 'files_per_s')} files/s, ls -lR "
