@@ -63,6 +63,7 @@ class FanStore(System):
         self.key = "fanstore1" if ranks == 1 else f"fanstore{ranks}"
         self.label = "fanstore-fuse 1 rank" if ranks == 1 else f"fanstore-fuse {ranks} ranks"
         self.mountpoints: list[str] = []
+        self.read_only: list[str] = []
 
     def check(self) -> tuple[bool, str]:
         self.cmd, self.env, why = cli_command()
@@ -76,6 +77,10 @@ class FanStore(System):
                 return False, f"fanstore-fuse has no '{sub}' command yet"
         ok, out = _help(self.cmd, self.env, "prep")
         self.prep_quiet = ["--quiet"] if ok and "--quiet" in out else []
+        # The anchors are read-only file systems: compare like with like. A --read-only mount
+        # answers FUSE flush with ENOSYS (no round trip per close); a writable one does not.
+        ok, out = _help(self.cmd, self.env, "mount")
+        self.read_only = ["--read-only"] if ok and "--read-only" in out else []
         if self.ranks > 1:
             ok, out = _help(self.cmd, self.env, "mount")
             if not ok or "--ranks" not in out:
@@ -102,14 +107,14 @@ class FanStore(System):
         if self.ranks == 1:
             mps = [str(self.work / "mnt-fanstore1")]
             locs = [str(self.work / "local-fanstore1")]
-            mp_arg, loc_arg, extra = mps[0], locs[0], []
+            mp_arg, loc_arg, extra = mps[0], locs[0], list(self.read_only)
         else:
             tag = f"fanstore{self.ranks}"
             mp_arg = str(self.work / f"mnt-{tag}" / "{rank}")
             loc_arg = str(self.work / f"local-{tag}" / "{rank}")
             mps = [mp_arg.format(rank=r) for r in range(self.ranks)]
             locs = [loc_arg.format(rank=r) for r in range(self.ranks)]
-            extra = ["--ranks", str(self.ranks)]
+            extra = ["--ranks", str(self.ranks), *self.read_only]
         for d in mps:
             Path(d).mkdir(parents=True, exist_ok=True)
         for d in locs:
