@@ -3,7 +3,8 @@
 Keys are ``op|device|b<log2 size bucket>|cold/warm/-|fs type``. For a new key the selector
 explores: each call goes to the eligible tool with the fewest samples, a tool whose best
 seconds-per-byte is more than ``drop_factor`` times the best one is dropped, and once every
-remaining tool has ``explore_rounds`` samples it commits to the fastest (lowest median). A
+remaining tool has ``explore_rounds`` samples it commits to the fastest (lowest minimum: noise
+from other processes only adds time). A
 committed tool that is ``slow_factor`` (2) times slower than its committed median for
 ``patience`` (5) calls in a row sends the key back to exploration (so do
 ``reexplore_every`` committed calls, if
@@ -163,7 +164,9 @@ class Selector:
                     e["dropped"].append(t)
             alive = [t for t in eligible if t not in e["dropped"]]
             if alive and all(len(e["samples"].get(t, [])) >= self.explore_rounds for t in alive):
-                choice = min(alive, key=lambda t: statistics.median(e["samples"][t]))
+                # lowest best-case time: noise from other processes only ever adds time
+                choice = min(alive, key=lambda t: (min(e["samples"][t]),
+                                                   statistics.median(e["samples"][t])))
                 e.update(state="commit", choice=choice, calls=0, slow=0,
                          best=statistics.median(e["samples"][choice]))
                 log.info("tensorio: %s -> %s", key, choice)
