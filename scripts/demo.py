@@ -171,12 +171,30 @@ def main() -> int:
             problems.append(f"daemons counted {tot['errors']} errors")
         if files != n_files or nbytes != n_bytes:
             problems.append(f"read {files} files/{nbytes} bytes, expected {n_files}/{n_bytes}")
+        # A checkpoint written on the last rank, read on the first right after close.
+        ckpt = os.urandom(3 << 20)
+        writer, reader = mounts[-1], mounts[0]
+        (writer / "outputs").mkdir()
+        with open(writer / "outputs" / "model.ckpt", "wb") as f:
+            for i in range(0, len(ckpt), 1 << 16):  # many small writes, as torch.save does
+                f.write(ckpt[i : i + (1 << 16)])
+        same = (reader / "outputs" / "model.ckpt").read_bytes() == ckpt
+        print(f"demo: wrote a {len(ckpt) >> 20} MiB checkpoint through {writer}; read back through "
+              f"{reader}: {'identical' if same else 'DIFFERENT'}")
+        if not same:
+            problems.append("checkpoint differs when read on another rank")
         for p in problems:
             print(f"demo: MISMATCH {p}", file=sys.stderr)
         ok = not problems
     finally:
         if mounted:
-            r = run("umount", template, env=env, check=False)
+            staged = work / "staged-out"
+            r = run("umount", template, "--stage-out", str(staged), env=env, check=False)
+            if ok:
+                back = (staged / "outputs" / "model.ckpt").read_bytes() if staged.exists() else b""
+                print(f"demo: umount --stage-out {staged}: checkpoint "
+                      f"{'identical' if back == ckpt else 'MISSING OR DIFFERENT'}")
+                ok = back == ckpt
             left = [str(mp) for mp in mounts if str(mp) in fuse_mounts()]
             for mp in left:
                 subprocess.run(["fusermount3", "-u", "-z", mp], capture_output=True)
