@@ -185,3 +185,27 @@ def test_killed_rank_gives_an_errno_not_a_hang_and_umount_cleans_up(src_tree, tm
     m.umount()
     assert not [mp for mp in m.mountpoints if os.path.ismount(mp)]
     assert not list((tmp_path / "local").glob("*/*"))
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_of_one_rank_others_keep_serving(src_tree, tmp_path, mount_factory):
+    """SIGTERM stops one daemon cleanly (its mount goes away); the other ranks keep serving
+    correct bytes, reading what it held from the source after one peer timeout."""
+    dest = _prep(src_tree, tmp_path)
+    expected = expected_from_source(snapshot(src_tree)[0])
+    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=3,
+                      local=str(tmp_path / "local" / "{rank}"), extra_args=["--peer-timeout", "2"])
+    st = m.state()
+    assert st is not None
+    os.kill(st.pids[2], signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    while os.path.ismount(m.mountpoints[2]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.ismount(m.mountpoints[2])
+    t0 = time.monotonic()
+    for mp in m.mountpoints[:2]:
+        _check_tree(expected, mp)
+    assert time.monotonic() - t0 < 60
+    m.umount()
+    assert not [mp for mp in m.mountpoints if os.path.ismount(mp)]
+    assert not list((tmp_path / "local").glob("*/*"))
