@@ -53,6 +53,7 @@ class MountConfig:
     readahead_kb: int = 1024
     writable: bool = True
     write_quota: int | None = None
+    progress_file: str | None = None  # rank 0 reports stage-in progress here for the launcher
 
 
 def fuse_options(cfg: MountConfig) -> set[str]:
@@ -85,7 +86,7 @@ def write_ready_file(path: str | None, message: str) -> None:
     if path:
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
-            f.write(message.replace("\n", " ") + "\n")
+            f.write(message + "\n")
         os.replace(tmp, path)
 
 
@@ -149,8 +150,11 @@ def _setup(cfg: MountConfig, rank: int, nranks: int, m: _Mounted) -> Placement:
             if r is not None:
                 r.append((off[b], stored[b]))
         shares = {p: r for p, r in shares.items() if r is None or r}
+    total = sum(parts[p].size if r is None else sum(n for _, n in r)
+                for p, r in (shares or {p: None for p in range(len(parts))}).items())
+    progress = _progress_writer(cfg.progress_file, total) if rank == 0 else None
     t0 = time.perf_counter()
-    res = stage_in(cfg.dest, m.local, manifest, shares)
+    res = stage_in(cfg.dest, m.local, manifest, shares, progress=progress)
     dt = time.perf_counter() - t0
     m.held = {
         "blobs_held": len(held),
@@ -164,6 +168,29 @@ def _setup(cfg: MountConfig, rank: int, nranks: int, m: _Mounted) -> Placement:
     if cfg.writable:
         m.writes = WriteStore(m.local, rank, cfg.write_quota)
     return placement
+
+
+def _progress_writer(path: str | None, total: int):
+    """A stage-in progress callback writing "done total" to `path` (for the launcher's bar)."""
+    if not path:
+        return None
+    done = 0
+    last = 0.0
+
+    def tick(n: int) -> None:
+        nonlocal done, last
+        done += n
+        now = time.monotonic()
+        if now - last > 0.1 or done >= total:
+            last = now
+            with contextlib.suppress(OSError):
+                tmp = path + ".tmp"
+                with open(tmp, "w") as f:
+                    f.write(f"{done} {total}\n")
+                os.replace(tmp, path)
+
+    tick(0)
+    return tick
 
 
 def _mount(cfg: MountConfig, m: _Mounted) -> None:
@@ -281,7 +308,8 @@ def serve(cfg: MountConfig) -> int:
         log.error("rank %d: %s", rank, error)
     # Every rank reports; rank 0 decides for all (a failure anywhere unmounts everywhere).
     me = {"rank": rank, "error": error, "pid": os.getpid(), "mountpoint": m.mountpoint,
-          "local": m.local or "", "host": socket.gethostname()}
+          "local": m.local or "", "host": socket.gethostname(),
+          "staged": m.held.get("staged_bytes", 0), "stage_us": m.held.get("stage_in_us", 0)}
     infos = comm.allgather(me) if comm is not None else [me]
     errors = [f"rank {i['rank']}: {i['error']}" for i in infos if i["error"]]
     if errors:
@@ -307,7 +335,12 @@ def serve(cfg: MountConfig) -> int:
     if rank == 0 or here[0]["rank"] == rank:
         group.save()
     if rank == 0:
-        write_ready_file(cfg.ready_file, "ready")
+        staged = sum(i["staged"] for i in infos)
+        secs = max(i["stage_us"] for i in infos) / 1e6
+        summary = (f"stage-in: {staged} bytes on {nranks} rank(s) in {secs:.2f} s "
+                   f"({staged / max(secs, 1e-9) / 1e6:.0f} MB/s aggregate)")
+        log.info("%s", summary)
+        write_ready_file(cfg.ready_file, "ready\n" + summary)
     notify(cfg.ready_fd, "ready")
     code = 0
     try:

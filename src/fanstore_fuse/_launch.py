@@ -94,24 +94,29 @@ def start_ranks(argv: list[str], template: str, ranks: int | None, timeout: floa
     with contextlib.suppress(FileNotFoundError):
         os.unlink(ready)
     logp = log_path(template)
+    progress = os.path.join(state_dir(), f"{key}.progress")
     cmd = [*launcher_command(ranks), sys.executable, "-m", "fanstore_fuse", *argv,
-           "--mpi", "--ready-file", ready]
+           "--mpi", "--ready-file", ready, "--progress-file", progress]
     with open(logp, "ab") as logf:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
                                 start_new_session=True, close_fds=True)
     deadline = time.monotonic() + timeout
-    line = ""
-    while time.monotonic() < deadline:
-        if os.path.exists(ready):
-            with open(ready) as f:
-                line = f.read().strip()
-            if line:
+    line = summary = ""
+    with _StageBar(progress) as bar:
+        while time.monotonic() < deadline:
+            if os.path.exists(ready):
+                with open(ready) as f:
+                    text = f.read().strip()
+                line, _, summary = text.partition("\n")
+                if line:
+                    break
+            if proc.poll() is not None:
                 break
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(ready)
+            bar.update()
+            time.sleep(0.05)
+    for p in (ready, progress):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
     if line != "ready":
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -130,6 +135,49 @@ def start_ranks(argv: list[str], template: str, ranks: int | None, timeout: floa
     st.launcher_pid = proc.pid
     st.log = logp
     st.save()
+    if summary:
+        _console().print(summary, highlight=False)
     for mp in st.mountpoints:
         wait_answers(mp, max(5.0, deadline - time.monotonic()))
     return st
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=True, soft_wrap=True)
+
+
+class _StageBar:
+    """Rank 0's stage-in progress (bytes staged of its share), drawn while `mount` waits."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.progress = None
+        self.task = None
+
+    def __enter__(self) -> _StageBar:
+        console = _console()
+        if console.is_terminal:
+            from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+            self.progress = Progress("stage-in (rank 0)", BarColumn(), DownloadColumn(),
+                                     TransferSpeedColumn(), console=console, transient=True)
+            self.progress.start()
+        return self
+
+    def update(self) -> None:
+        if self.progress is None:
+            return
+        try:
+            with open(self.path) as f:
+                done, total = (int(x) for x in f.read().split())
+        except (OSError, ValueError):
+            return
+        if self.task is None:
+            self.task = self.progress.add_task("stage", total=total)
+        self.progress.update(self.task, completed=done, total=total)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.progress is not None:
+            self.progress.stop()

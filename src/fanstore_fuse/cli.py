@@ -143,6 +143,7 @@ def mount(
     read_only: bool = typer.Option(False, "--read-only", help="refuse all writes (EROFS)"),
     mpi: bool = typer.Option(False, "--mpi", hidden=True),
     ready_file: str | None = typer.Option(None, "--ready-file", hidden=True),
+    progress_file: str | None = typer.Option(None, "--progress-file", hidden=True),
 ) -> None:
     """Stage DEST into node-local storage and mount it at MOUNTPOINT.
 
@@ -196,6 +197,7 @@ def mount(
         dest, mountpoint, local, list(option), ready_fd, ready_file, debug, mpi=mpi,
         replicas=replicas, warm_metadata=warm_metadata, peer_timeout=peer_timeout,
         writable=not read_only, write_quota=_parse_size(write_quota),
+        progress_file=progress_file,
     )
     raise typer.Exit(serve(cfg))
 
