@@ -607,3 +607,13 @@ def test_host_buffers_are_recycled_and_overwritten(tmp_path: Path):
     assert _hostbuf.cached_bytes() == 0
     assert torch.equal(again["x"], b["x"])
     _hostbuf.clear_cache()
+
+
+def test_forced_calls_are_not_recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    p = tmp_path / "f.fst"
+    sel = tio.Selector(stamp={})
+    tio.save({"a": torch.ones(3)}, p, tool="pread", selector=sel)
+    tio.load(p, tool="mmap", selector=sel)
+    monkeypatch.setenv(tio.ENV_TOOL, "torch")
+    tio.load(p, selector=sel)
+    assert all(not e["samples"] for e in sel.entries.values())
