@@ -36,7 +36,8 @@ log = logging.getLogger("fanstore_fuse.transport")
 
 MAX_IDLE_SLEEP = float(os.environ.get("FANSTORE_MPI_MAX_SLEEP", "0.001"))  # while recently busy
 LONG_IDLE_SLEEP = 0.005  # after about a second without traffic
-SPIN_ROUNDS = 20  # sleep(0) polls after activity before backing off
+SPIN_ROUNDS = int(os.environ.get("FANSTORE_MPI_SPIN", "20"))  # sleep(0) polls before backing off
+SEND_POLL = float(os.environ.get("FANSTORE_MPI_SEND_POLL", "20e-6"))  # poll while sends pend
 MAX_SERVING = 64  # concurrent requests served per daemon
 
 
@@ -208,7 +209,7 @@ class MpiTransport:
             if sends:
                 # A large send moves only while this thread drives progress: keep polling,
                 # without starving the trio thread of the GIL.
-                time.sleep(20e-6)
+                time.sleep(SEND_POLL)
                 continue
             idle += 1
             if idle < SPIN_ROUNDS:
