@@ -44,10 +44,10 @@ def _rec_to_wire(r: Record) -> list[object]:
     return [r.index, r.name, r.kind, r.mode, r.uid, r.gid, r.mtime_ns, r.size, r.first, r.count, r.nlink]
 
 
-def _rec_from_wire(w: list[object]) -> Record:
+def _rec_from_wire(w: object) -> Record:
     if not isinstance(w, list) or len(w) != 11:
         raise PeerError("malformed record in a peer's reply")
-    return Record(*w)  # type: ignore[arg-type]
+    return Record(*w)
 
 
 class _Peers:
@@ -222,7 +222,7 @@ def serve_handlers(
     ns = node.ns
     table = HandlerTable()
 
-    def owned_index(body: bytes) -> int:
+    def owned_index(body: bytes | memoryview) -> int:
         path = unpack(body)
         if not isinstance(path, bytes):
             raise PeerError("path must be bytes")
@@ -233,7 +233,7 @@ def serve_handlers(
     async def ping(src: int, req: Frame) -> Frame:
         return Frame(req.op, req.req_id, rank)
 
-    async def fetch_blob(src: int, req: Frame) -> Frame:
+    async def fetch_blob(src: int, req: Frame) -> Frame | bytearray:
         blob = req.arg
         if blob >= ns.m.n_blobs or not placement.holds(rank, blob):
             raise NotFound(f"rank {rank} does not hold blob {blob}")

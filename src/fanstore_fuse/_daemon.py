@@ -10,7 +10,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import pyfuse3
 import trio
@@ -30,7 +30,7 @@ from ._mountctl import (
 from ._namespace import Namespace
 from ._node import LocalBlobSource, Node, Stats
 from ._ring import Placement
-from ._stage import stage_in
+from ._stage import Ranges, stage_in
 from ._writes import WriteStore
 
 log = logging.getLogger("fanstore_fuse.daemon")
@@ -90,6 +90,19 @@ def write_ready_file(path: str | None, message: str) -> None:
         os.replace(tmp, path)
 
 
+class _RankInfo(TypedDict):
+    """What each rank reports to the others after setting up (allgather)."""
+
+    rank: int
+    error: str
+    pid: int
+    mountpoint: str
+    local: str
+    host: str
+    staged: int
+    stage_us: int
+
+
 @dataclass
 class _Mounted:
     """What one rank set up, so that it can be torn down in reverse."""
@@ -138,6 +151,7 @@ def _setup(cfg: MountConfig, rank: int, nranks: int, m: _Mounted) -> Placement:
     )
     local_t = cfg.local_dir or (default_local_dir(cfg.mountpoint) + ("/{rank}" if nranks > 1 else ""))
     m.local = prepare_local_dir(for_rank(local_t, rank))
+    shares: dict[int, Ranges | None] | None
     if nranks == 1:
         shares = None
         held = list(range(manifest.n_blobs))
@@ -307,10 +321,10 @@ def serve(cfg: MountConfig) -> int:
     if error:
         log.error("rank %d: %s", rank, error)
     # Every rank reports; rank 0 decides for all (a failure anywhere unmounts everywhere).
-    me = {"rank": rank, "error": error, "pid": os.getpid(), "mountpoint": m.mountpoint,
-          "local": m.local or "", "host": socket.gethostname(),
-          "staged": m.held.get("staged_bytes", 0), "stage_us": m.held.get("stage_in_us", 0)}
-    infos = comm.allgather(me) if comm is not None else [me]
+    me: _RankInfo = {"rank": rank, "error": error, "pid": os.getpid(), "mountpoint": m.mountpoint,
+                      "local": m.local or "", "host": socket.gethostname(),
+                      "staged": m.held.get("staged_bytes", 0), "stage_us": m.held.get("stage_in_us", 0)}
+    infos: list[_RankInfo] = comm.allgather(me) if comm is not None else [me]
     errors = [f"rank {i['rank']}: {i['error']}" for i in infos if i["error"]]
     if errors:
         m.teardown()
@@ -344,6 +358,7 @@ def serve(cfg: MountConfig) -> int:
     notify(cfg.ready_fd, "ready")
     code = 0
     try:
+        assert m.node is not None  # set by the setup, which succeeded on every rank
         trio.run(_serve, m.node, cfg.max_tasks, transport, warm)
     except BaseException:
         log.exception("daemon stopped on an error")

@@ -10,8 +10,8 @@ import functools
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import pyfuse3
 import trio
@@ -41,9 +41,10 @@ XATTR_PREFIX = b"user.fanstore."
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Coroutine[Any, Any, Any]])
 
 
-def _translate(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+def _translate(fn: F) -> F:
     """Map domain errors to errnos; no other exception may leave a handler."""
 
     @functools.wraps(fn)
@@ -60,10 +61,10 @@ def _translate(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
             log.exception("unexpected error in %s", fn.__name__)
             raise pyfuse3.FUSEError(errno.EIO) from None
 
-    return wrapper
+    return cast(F, wrapper)
 
 
-def _erofs(name: str) -> Callable[..., Awaitable[Any]]:
+def _erofs(name: str) -> Callable[..., Coroutine[Any, Any, Any]]:
     async def handler(self: Operations, *args: Any) -> Any:
         raise pyfuse3.FUSEError(errno.EROFS)
 
@@ -236,9 +237,9 @@ class Operations(pyfuse3.Operations):
             except PeerError as e:  # a silent owner must not break listing the dataset
                 log.warning("listing %r without files written elsewhere: %s", path, e)
                 remote = []
-            for e in remote:
-                r = self.shared.record(e)
-                if r.name not in seen and e.writer != self.shared.rank:
+            for ent in remote:
+                r = self.shared.record(ent)
+                if r.name not in seen and ent.writer != self.shared.rank:
                     out.append(r)
         out = [r for r in out if not self._in_dataset(parent_inode, r.name)]
         out.sort(key=lambda r: r.name)

@@ -11,9 +11,13 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING
 
 from ._errors import FanstoreError
 from ._mountctl import MountState, find_state, mount_key, state_dir
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
 
 
 def log_path(mountpoint: str) -> str:
@@ -153,8 +157,8 @@ class _StageBar:
 
     def __init__(self, path: str):
         self.path = path
-        self.progress = None
-        self.task = None
+        self.progress: Progress | None = None
+        self.task: TaskID | None = None
 
     def __enter__(self) -> _StageBar:
         console = _console()

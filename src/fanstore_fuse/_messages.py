@@ -114,7 +114,7 @@ def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def unpack(body: bytes) -> Any:
+def unpack(body: bytes | bytearray | memoryview) -> Any:
     try:
         return msgpack.unpackb(body, raw=False, max_bin_len=MAX_BODY, max_str_len=1 << 16)
     except Exception as e:

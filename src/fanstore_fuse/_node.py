@@ -130,6 +130,16 @@ class BlobCache:
             self._bytes -= len(old)
 
 
+class Metadata(Protocol):
+    """Where metadata records come from (`LocalMetadata`, or `_cluster.ClusterMetadata`)."""
+
+    async def record(self, index: int) -> Record: ...
+
+    async def lookup(self, parent: int, name: bytes) -> Record: ...
+
+    async def listdir(self, index: int, start: int, limit: int) -> list[Record]: ...
+
+
 class LocalMetadata:
     """Metadata answered from this node's namespace (one node, or paths this rank owns)."""
 
@@ -155,10 +165,10 @@ class Node:
         stats: Stats | None = None,
         cache_bytes: int = CACHE_BYTES,
         readahead: int = READAHEAD_CHUNKS,
-        meta: LocalMetadata | None = None,
+        meta: Metadata | None = None,
     ):
         self.ns = ns
-        self.meta = meta or LocalMetadata(ns)
+        self.meta: Metadata = meta or LocalMetadata(ns)
         self.stats = stats or Stats()
         self.source = source
         self.cache = BlobCache(source.fetch, self.stats, cache_bytes)

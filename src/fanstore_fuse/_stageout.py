@@ -16,6 +16,7 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -150,7 +151,7 @@ def _fsync_dir(path: str) -> None:
 
 
 def stage_out(
-    stores_or_local_dirs: list[WriteStore | str] | WriteStore | str,
+    stores_or_local_dirs: Sequence[WriteStore | str] | WriteStore | str,
     out_dir: str,
     workers: int = 4,
     verify_dest: bool = True,

@@ -7,7 +7,7 @@ import os
 import threading
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -25,7 +25,8 @@ _REG_LOCK = threading.Lock()
 def _ensure_registry() -> dict[str, Tool]:
     with _REG_LOCK:
         if not _REGISTRY:
-            for t in [*cpu_tools(), *gpu_tools()]:
+            # GPU tools are read-only (ops == {"read"}): no `write`, so not a full `Tool`.
+            for t in [*cpu_tools(), *cast("list[Tool]", gpu_tools())]:
                 _REGISTRY[t.name] = t
         return _REGISTRY
 

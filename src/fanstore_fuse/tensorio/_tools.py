@@ -15,13 +15,16 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 import torch
 
 from ._errors import TensorIOError
 from ._format import PAGE, Chunk, Layout
 from ._hostbuf import alloc_host  # noqa: F401  (re-exported for the API layer)
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 OnChunk = Callable[[Chunk, Any, int], None]  # (chunk, host buffer, data offset of buffer[0])
 
@@ -47,7 +50,7 @@ def pool() -> ThreadPoolExecutor:
 
 def host_view(t: torch.Tensor) -> memoryview:
     """A writable memoryview over a CPU uint8 tensor's bytes."""
-    return memoryview(t.numpy()) if t.numel() else memoryview(bytearray())
+    return memoryview(cast("Buffer", t.numpy())) if t.numel() else memoryview(bytearray())
 
 
 def pread_full(fd: int, buf: memoryview, offset: int) -> None:
