@@ -153,19 +153,20 @@ def mount(
     from ._daemon import MountConfig, serve, setup_logging
 
     multi = not mpi and (ranks is not None or bool(os.environ.get("SLURM_JOB_ID")))
-    if multi:
-        from ._launch import start_ranks
-
-        argv = ["mount", dest, mountpoint, "--foreground", "--replicas", str(replicas),
-                "--peer-timeout", str(peer_timeout)]
-        argv.append("--warm-metadata" if warm_metadata else "--no-warm-metadata")
-        argv += _write_args(write_quota, read_only)
+    if multi or not foreground:
+        # The daemon(s) run this same command in the foreground, with the same options.
+        argv = ["mount", dest, mountpoint, "--foreground", *_write_args(write_quota, read_only)]
         if local:
             argv += ["--local", local]
         for o in option:
             argv += ["-o", o]
         if debug:
             argv.append("--debug")
+    if multi:
+        from ._launch import start_ranks
+
+        argv += ["--replicas", str(replicas), "--peer-timeout", str(peer_timeout),
+                 "--warm-metadata" if warm_metadata else "--no-warm-metadata"]
         if ranks is not None and ranks > 1 and "{rank}" not in mountpoint:
             _fail("with --ranks > 1 the MOUNTPOINT must contain {rank}")
         try:
@@ -178,13 +179,6 @@ def mount(
         from ._launch import start_background
         from ._mountctl import check_mountpoint
 
-        argv = ["mount", dest, mountpoint, "--foreground", *_write_args(write_quota, read_only)]
-        if local:
-            argv += ["--local", local]
-        for o in option:
-            argv += ["-o", o]
-        if debug:
-            argv.append("--debug")
         try:
             check_mountpoint(mountpoint, allow_nonempty="nonempty" in ",".join(option))
             pid = start_background(argv, os.path.abspath(mountpoint), timeout)
