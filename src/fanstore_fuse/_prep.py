@@ -44,6 +44,8 @@ from ._format import (
 
 log = logging.getLogger("fanstore_fuse.prep")
 _DROP_BITS = stat.S_ISUID | stat.S_ISGID
+PROBE_MIN = 32 << 10  # chunks at least this big are probed before being compressed whole
+PROBE_RATIO = 0.97  # samples that do not shrink below this fraction mark a chunk incompressible
 
 
 @dataclass
@@ -169,10 +171,21 @@ class _Packer:
                 c = self._local.c = zstandard.ZstdCompressor(
                     level=self.level, write_content_size=True, write_checksum=False
                 )
-            packed = c.compress(raw)
-            if len(packed) < len(raw):
-                return packed, CODEC_ZSTD, len(raw), digest
+            if not self._looks_incompressible(c, raw):
+                packed = c.compress(raw)
+                if len(packed) < len(raw):
+                    return packed, CODEC_ZSTD, len(raw), digest
         return raw, CODEC_RAW, len(raw), digest
+
+    @staticmethod
+    def _looks_incompressible(c: zstandard.ZstdCompressor, raw: bytes) -> bool:
+        """Compress three 4 KiB samples (start, middle, end) first: JPEG-like data that does not
+        shrink there is stored raw without compressing it all (most of an image dataset)."""
+        if len(raw) < PROBE_MIN:
+            return False
+        mid = len(raw) // 2
+        sample = raw[:4096] + raw[mid : mid + 4096] + raw[-4096:]
+        return len(c.compress(sample)) >= PROBE_RATIO * len(sample)
 
 
 def _ordered_map(
