@@ -196,3 +196,43 @@ def test_sigkill_then_recover_rescues_every_closed_file(dest: Path, tmp_path: Pa
     # a new mount over a local dir with unrecovered writes is refused with a clear message
     r = run_cli("mount", dest, m.path, "--local", local, env=cli_env(m.state_dir), check=False)
     assert r.returncode != 0 and "recover" in r.stderr
+
+
+@pytest.mark.timeout(180)
+def test_fsx_style_random_ops_through_the_mount(dest: Path, tmp_path: Path, mount_factory):
+    """fsx-style: random pwrite/truncate/pread/reopen on one file through FUSE, every read
+    compared with an in-memory model; the final bytes again after stage-out."""
+    m = mount_factory(dest, local=str(tmp_path / "local"))
+    path = m.path / "fsx.bin"
+    rng = random.Random(1234)
+    model = bytearray()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        for step in range(1500):
+            op = rng.random()
+            if op < 0.45:
+                off = rng.randrange(0, len(model) + 70_000)
+                data = rng.randbytes(rng.randrange(1, 70_000))
+                assert os.pwrite(fd, data, off) == len(data)
+                if off > len(model):
+                    model.extend(bytes(off - len(model)))
+                model[off : off + len(data)] = data
+            elif op < 0.55:
+                size = rng.randrange(0, len(model) + 50_000)
+                os.ftruncate(fd, size)
+                model = model[:size] + bytearray(max(0, size - len(model)))
+            elif op < 0.95:
+                off = rng.randrange(0, len(model) + 10)
+                n = rng.randrange(0, 100_000)
+                assert os.pread(fd, n, off) == bytes(model[off : off + n]), step
+            else:  # close and reopen: a commit, then reads through a fresh open
+                os.close(fd)
+                fd = os.open(path, os.O_RDWR)
+            assert os.fstat(fd).st_size == len(model), step
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == bytes(model)
+    out = tmp_path / "out"
+    r = run_cli("umount", m.template, "--stage-out", out, env=m.env)
+    m.umount_result = r
+    assert (out / "fsx.bin").read_bytes() == bytes(model)
