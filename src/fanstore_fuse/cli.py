@@ -76,10 +76,15 @@ def prep(
         with _progress(quiet) as prog:
             task = prog.add_task("prep", total=None)
 
-            def tick(files: int, nbytes: int) -> None:
-                prog.update(task, completed=nbytes, description=f"prep {files} files")
+            last = [0.0]
 
-            res = do_prep(src, dest, opts, progress=tick)
+            def tick(files: int, nbytes: int) -> None:
+                now = time.monotonic()
+                if now - last[0] > 0.1:  # a few redraws a second, not one per blob
+                    last[0] = now
+                    prog.update(task, completed=nbytes, description=f"prep {files} files")
+
+            res = do_prep(src, dest, opts, progress=None if prog.disable else tick)
     except (FanstoreError, OSError) as e:
         _fail(str(e))
     dt = time.perf_counter() - t0
