@@ -295,8 +295,21 @@ def status(
     if json_out:
         print(json.dumps(data, indent=2))
         return
-    json.dump(data, sys.stdout, indent=2)
-    print()
+    from rich.table import Table
+
+    cols = [("rank", "rank"), ("blobs held", "blobs_held"), ("bytes held", "bytes_held"),
+            ("local reads", "local_reads"), ("remote reads", "remote_reads"),
+            ("remote bytes", "remote_bytes"), ("MPI bytes in", "mpi_bytes_received"),
+            ("cache hits", "cache_hits"), ("in flight", "requests_in_flight"),
+            ("errors", "errors"), ("bytes written", "bytes_written")]
+    table = Table(title=f"fanstore-fuse status: {mountpoint}")
+    for title, _ in cols:
+        table.add_column(title, justify="right")
+    for r in data.get("ranks", []):
+        flat = {**r, **r.get("stats", {}), **(r.get("writes") or {})}
+        table.add_row(*(f"{flat[k]:,}" if isinstance(flat.get(k), int) else str(flat.get(k, "-"))
+                        for _, k in cols))
+    Console().print(table)
 
 
 def main() -> None:  # pragma: no cover
