@@ -257,3 +257,29 @@ def test_file_larger_than_4gib(huge_dest):
     finally:
         store.close()
     print(f"4.5 GiB sparse prep: {dt:.1f} s")
+
+
+def test_dest_inside_src_is_left_out(tmp_path: Path, caplog):
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "x.txt").write_bytes(b"x" * 100)
+    dest = src / "prepped"
+    with caplog.at_level("WARNING"):
+        prep(src, dest, PrepOptions(partitions=2))
+    ns = Namespace(read_manifest(dest / MANIFEST_NAME))
+    paths = {ns.path(i) for i in range(len(ns))}
+    assert paths == {b"", b"a", b"a/x.txt"}
+    assert "output directory" in caplog.text
+
+
+def test_reprep_with_fewer_partitions_removes_stale_ones(tmp_path: Path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for k in range(8):
+        (src / f"f{k}").write_bytes(bytes([k]) * 5000)
+    dest = tmp_path / "dest"
+    prep(src, dest, PrepOptions(partitions=6))
+    assert len(list(dest.glob("part-*.fsp"))) == 6
+    prep(src, dest, PrepOptions(partitions=2))
+    assert sorted(p.name for p in dest.glob("*.fsp")) == ["part-00000.fsp", "part-00001.fsp"]
+    assert verify(str(dest)).ok

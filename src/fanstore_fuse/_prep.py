@@ -9,6 +9,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import os
+import re
 import stat
 import threading
 from array import array
@@ -44,6 +45,7 @@ from ._format import (
 
 log = logging.getLogger("fanstore_fuse.prep")
 _DROP_BITS = stat.S_ISUID | stat.S_ISGID
+_PARTITION_FILE = re.compile(r"(part|bcast)-\d{5}\.fsp")
 PROBE_MIN = 32 << 10  # chunks at least this big are probed before being compressed whole
 PROBE_RATIO = 0.97  # samples that do not shrink below this fraction mark a chunk incompressible
 
@@ -91,8 +93,9 @@ class _Entry:
     count: int = 0
 
 
-def _walk(src: bytes) -> tuple[list[_Entry], int]:
-    """Breadth-first walk; each directory's children sorted by name and contiguous."""
+def _walk(src: bytes, exclude: tuple[int, int] | None = None) -> tuple[list[_Entry], int]:
+    """Breadth-first walk; each directory's children sorted by name and contiguous.
+    `exclude` is the (st_dev, st_ino) of a directory to leave out (DEST inside SRC)."""
     st = os.lstat(src)
     if not stat.S_ISDIR(st.st_mode):
         raise FanstoreError(f"source {os.fsdecode(src)!r} is not a directory")
@@ -108,6 +111,10 @@ def _walk(src: bytes) -> tuple[list[_Entry], int]:
                     cst = de.stat(follow_symlinks=False)
                     m = cst.st_mode
                     if stat.S_ISDIR(m):
+                        if exclude == (cst.st_dev, cst.st_ino):
+                            log.warning("leaving out %s: it is the output directory",
+                                        os.fsdecode(de.path))
+                            continue
                         kids.append(_Entry(de.path, de.name, i, KIND_DIR, cst))
                     elif stat.S_ISREG(m):
                         kids.append(_Entry(de.path, de.name, i, KIND_FILE, cst))
@@ -217,7 +224,9 @@ def prep(
     opts.check()
     src_b = os.fsencode(os.path.abspath(src))
     dest_s = os.fspath(dest)
-    entries, skipped = _walk(src_b)
+    os.makedirs(dest_s, exist_ok=True)
+    dst = os.stat(dest_s)
+    entries, skipped = _walk(src_b, exclude=(dst.st_dev, dst.st_ino))
     rel = _rel_paths(entries)
     n = len(entries)
 
@@ -258,7 +267,6 @@ def prep(
         e.count = len(jobs) - e.first
     write_order = sorted(range(len(jobs)), key=lambda j: jobs[j].part)  # stable: id order
 
-    os.makedirs(dest_s, exist_ok=True)
     nb = len(jobs)
     b_cols = {k: array(t, bytes(array(t).itemsize * nb)) for k, t in BLOB_COLUMNS.items()}
     part_sizes = [PARTITION_DATA_START] * len(part_names)
@@ -303,6 +311,9 @@ def prep(
             f.close()
     for tmp, nm in zip(tmp_names, part_names):
         os.replace(tmp, os.path.join(dest_s, nm))
+    for old in os.listdir(dest_s):  # partitions of an earlier prep into the same DEST
+        if _PARTITION_FILE.fullmatch(old) and old not in part_names:
+            os.unlink(os.path.join(dest_s, old))
     # Files with no blobs (empty) count as done too.
     if progress:
         progress(len(files), bytes_done)
