@@ -209,3 +209,28 @@ def test_sigterm_of_one_rank_others_keep_serving(src_tree, tmp_path, mount_facto
     m.umount()
     assert not [mp for mp in m.mountpoints if os.path.ismount(mp)]
     assert not list((tmp_path / "local").glob("*/*"))
+
+
+@pytest.mark.timeout(180)
+def test_many_requests_in_flight(tmp_path, mount_factory):
+    """64 concurrent readers of files held elsewhere keep dozens of MPI requests in flight."""
+    src = tmp_path / "many"
+    src.mkdir()
+    rng = __import__("random").Random(5)
+    blobs = {f"f{k:04d}.bin": rng.randbytes(20_000) for k in range(600)}
+    for name, data in blobs.items():
+        (src / name).write_bytes(data)
+    dest = prep_cli(src, tmp_path / "dest", "-p", "2", "--codec", "none")
+    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=2)
+    root = Path(m.mountpoints[0])
+    names = sorted(blobs)
+    from concurrent.futures import ThreadPoolExecutor
+
+    def read(name: str) -> bool:
+        return (root / name).read_bytes() == blobs[name]
+
+    with ThreadPoolExecutor(64) as pool:
+        assert all(pool.map(read, names))
+    ranks = status_ranks(m.status())
+    assert ranks[0]["stats"]["remote_reads"] > 100
+    assert ranks[0]["peak_requests_in_flight"] >= 8, ranks[0]  # not one at a time (FanStore)

@@ -280,6 +280,7 @@ def local_status(rank: int, node: Node, transport: MpiTransport) -> dict[str, ob
     d["mpi_bytes_sent"] = transport.bytes_sent
     d["mpi_bytes_received"] = transport.bytes_received
     d["requests_in_flight"] = transport.requests_in_flight
+    d["peak_requests_in_flight"] = transport.peak_in_flight
     d["requests_served"] = transport.served
     return d
 

@@ -45,7 +45,7 @@ class MountConfig:
     ready_fd: int | None = None
     ready_file: str | None = None
     debug: bool = False
-    max_tasks: int = 64
+    max_tasks: int = 128  # concurrent FUSE requests (each may wait on a remote fetch)
     mpi: bool = False
     replicas: int = 1
     warm_metadata: bool = True

@@ -67,6 +67,7 @@ class MpiTransport:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.requests_in_flight = 0
+        self.peak_in_flight = 0
         self.served = 0
         self._outq: queue.SimpleQueue[tuple[int, int, bytes | bytearray, int]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -118,6 +119,7 @@ class MpiTransport:
         w = _Waiter()
         self._pending[rid] = w
         self.requests_in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.requests_in_flight)
         try:
             self._post(dest, TAG_REQUEST, frame.encode(), rid)
             with trio.move_on_after(timeout):
