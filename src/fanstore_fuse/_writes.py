@@ -603,17 +603,20 @@ class WriteStore:
                 raise NotADirectory(f"{path!r} is not a directory")
             return [self._record(self._ents[d.children[n]]) for n in sorted(d.children)]  # type: ignore
 
+    def _new_entry(self, path: PathLike, kind_bits: int, mode: int, uid: int | None,
+                   gid: int | None) -> tuple[_Ent, bytes, int, int, int, int, int]:
+        """Parent, name, new id, time, mode, uid, gid for a name that must not exist yet."""
+        parent, name = self._parent_and_name(path)
+        if name in parent.children:  # type: ignore[operator]
+            raise Exists(f"{path!r} exists")
+        u = self._uid if uid is None else uid
+        g = self._gid if gid is None else gid
+        return parent, name, self._next_k, time.time_ns(), kind_bits | (mode & 0o7777), u, g
+
     def mkdir(self, path: PathLike, mode: int = 0o755, shadow: bool = False,
               uid: int | None = None, gid: int | None = None) -> Record:
         with self._lock:
-            parent, name = self._parent_and_name(path)
-            if name in parent.children:  # type: ignore[operator]
-                raise Exists(f"{path!r} exists")
-            k = self._next_k
-            now = time.time_ns()
-            m = stat.S_IFDIR | (mode & 0o7777)
-            u = self._uid if uid is None else uid
-            g = self._gid if gid is None else gid
+            parent, name, k, now, m, u, g = self._new_entry(path, stat.S_IFDIR, mode, uid, gid)
             self._log({"o": "mkdir", "k": k, "p": parent.k, "n": name, "m": m, "u": u, "g": g,
                        "t": now, "s": shadow}, sync=True)
             self._next_k += 1
@@ -748,14 +751,7 @@ class WriteStore:
                uid: int | None = None, gid: int | None = None) -> tuple[int, Record]:
         """Create and open a new file (O_EXCL semantics: EEXIST if the name exists)."""
         with self._lock:
-            parent, name = self._parent_and_name(path)
-            if name in parent.children:  # type: ignore[operator]
-                raise Exists(f"{path!r} exists")
-            k = self._next_k
-            now = time.time_ns()
-            m = stat.S_IFREG | (mode & 0o7777)
-            u = self._uid if uid is None else uid
-            g = self._gid if gid is None else gid
+            parent, name, k, now, m, u, g = self._new_entry(path, stat.S_IFREG, mode, uid, gid)
             try:
                 fd = os.open(self._data_path(k), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             except OSError as e:
