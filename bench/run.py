@@ -26,6 +26,17 @@ OUT = REPO / "bench" / "out"
 WORKLOADS = ("small", "npy", "large")
 
 
+
+def _prep_and_mount(system, res: dict, cfg) -> None:
+    """Prep (unless this system's image is shared) and mount one system, logging both."""
+    if cfg.prep_for.get(system.key, True):
+        log(f"{system.label}: prep")
+        res["prep"] = system.prep()
+        log(f"{system.label}: prep {res['prep'].get('prep_s', 0):.2f}s")
+    log(f"{system.label}: mount")
+    res["mount"] = system.mount()
+    log(f"{system.label}: mounted in {res['mount']['mount_s']:.2f}s at {system.root}")
+
 def measure(
     system: _anchors.System, ds: _datasets.Dataset, cfg: argparse.Namespace, results: dict
 ) -> dict:
@@ -36,13 +47,7 @@ def measure(
         return res
     problems: list[str] = []
     try:
-        if cfg.prep_for.get(system.key, True):
-            log(f"{system.label}: prep")
-            res["prep"] = system.prep()
-            log(f"{system.label}: prep {res['prep'].get('prep_s', 0):.2f}s")
-        log(f"{system.label}: mount")
-        res["mount"] = system.mount()
-        log(f"{system.label}: mounted in {res['mount']['mount_s']:.2f}s at {system.root}")
+        _prep_and_mount(system, res, cfg)
         root = system.root
         # stat of every file on the fresh mount (nothing has looked at it yet)
         res["stat"] = _workload.stat_rate(root, ds.all_files, timeout=cfg.timeout)
@@ -124,13 +129,7 @@ def measure_interleaved(
                 log(f"{system.label}: {res['error']}")
                 continue
             try:
-                if cfg.prep_for.get(system.key, True):
-                    log(f"{system.label}: prep")
-                    res["prep"] = system.prep()
-                    log(f"{system.label}: prep {res['prep'].get('prep_s', 0):.2f}s")
-                log(f"{system.label}: mount")
-                res["mount"] = system.mount()
-                log(f"{system.label}: mounted in {res['mount']['mount_s']:.2f}s at {system.root}")
+                _prep_and_mount(system, res, cfg)
                 live.append(system)
             except Exception as e:  # noqa: BLE001
                 res["error"] = f"failed: {type(e).__name__}: {str(e)[:500]}"
