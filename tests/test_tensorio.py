@@ -617,3 +617,12 @@ def test_forced_calls_are_not_recorded(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setenv(tio.ENV_TOOL, "torch")
     tio.load(p, selector=sel)
     assert all(not e["samples"] for e in sel.entries.values())
+
+
+def test_offload_creates_its_directory_and_cleans_up(tmp_path: Path):
+    target = tmp_path / "not" / "yet"
+    loss0, g0, _ = _grads(None)
+    loss1, g1, stats = _grads(target)
+    assert stats["offloaded"] >= 1
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+    assert target.is_dir() and not any(target.iterdir())

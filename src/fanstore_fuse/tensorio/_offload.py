@@ -59,6 +59,8 @@ class offload:  # noqa: N801 - used like a function: `with offload(dir):`
     # --------------------------------------------------------------- context
 
     def __enter__(self) -> offload:
+        if self.directory is not None:
+            os.makedirs(self.directory, exist_ok=True)
         self._dir = tempfile.mkdtemp(prefix="tensorio-offload-", dir=self.directory)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tensorio-offload-w")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tensorio-offload-r")
