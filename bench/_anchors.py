@@ -108,20 +108,7 @@ class SquashFuse(System):
 
     def mount(self) -> dict:
         mp = self.work / "mnt-squashfuse"
-        mp.mkdir(exist_ok=True)
-        drop_caches()
-        t0 = time.perf_counter()
-        p = subprocess.Popen(
-            [self.exe, "-f", str(self.image), str(mp)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self._mount = register(Mount(str(mp), procs=[p]))
-        _wait_mounted(mp, self.mount_timeout, proc=p)
-        dt = time.perf_counter() - t0
-        self.root = str(mp)
-        return {"mount_s": dt}
+        return _mount_foreground(self, mp, [self.exe, "-f", str(self.image), str(mp)])
 
 
 class Ratarmount(System):
@@ -165,20 +152,9 @@ class Ratarmount(System):
 
     def mount(self) -> dict:
         mp = self.work / "mnt-ratarmount"
-        mp.mkdir(exist_ok=True)
-        drop_caches()
-        t0 = time.perf_counter()
-        p = subprocess.Popen(
-            [self.exe, "-f", "--index-file", str(self.index), str(self.tar), str(mp)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
+        return _mount_foreground(
+            self, mp, [self.exe, "-f", "--index-file", str(self.index), str(self.tar), str(mp)]
         )
-        self._mount = register(Mount(str(mp), procs=[p]))
-        _wait_mounted(mp, self.mount_timeout, proc=p)
-        dt = time.perf_counter() - t0
-        self.root = str(mp)
-        return {"mount_s": dt}
 
 
 def cp_stage_in(src: Path, work: Path) -> dict:
@@ -223,3 +199,15 @@ def _fsync_time(path: Path) -> float:
     finally:
         os.close(fd)
     return time.perf_counter() - t0
+
+
+def _mount_foreground(system, mp: Path, argv: list[str]) -> dict:
+    """Start a FUSE daemon that stays in the foreground, wait until `mp` is mounted, time it."""
+    mp.mkdir(exist_ok=True)
+    drop_caches()
+    t0 = time.perf_counter()
+    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    system._mount = register(Mount(str(mp), procs=[p]))
+    _wait_mounted(mp, system.mount_timeout, proc=p)
+    system.root = str(mp)
+    return {"mount_s": time.perf_counter() - t0}

@@ -520,12 +520,8 @@ def _tree_state(root: Path) -> dict[str, tuple]:
     return out
 
 
-@pytest.mark.mount
-@pytest.mark.timeout(120)
-def test_mount_is_private_and_writes_nowhere_else(public_dir: Path, tmp_path: Path):
-    """Default mount: no allow_other, default_permissions, nosuid, nodev; uid 65534 gets EACCES
-    for stat, read and the status xattr; set[ug]id bits from the source never appear; nothing is
-    written outside the local and state dirs (DEST, SRC and TMPDIR unchanged afterwards)."""
+def _permission_tree(public_dir: Path) -> Path:
+    """A world-readable file and an owner-only one, in a directory everyone may enter."""
     src = public_dir / "src"
     src.mkdir()
     os.chmod(src, 0o755)
@@ -533,6 +529,16 @@ def test_mount_is_private_and_writes_nowhere_else(public_dir: Path, tmp_path: Pa
     os.chmod(src / "public.txt", 0o644)
     (src / "secret.txt").write_bytes(b"owner only\n")
     os.chmod(src / "secret.txt", 0o600)
+    return src
+
+
+@pytest.mark.mount
+@pytest.mark.timeout(120)
+def test_mount_is_private_and_writes_nowhere_else(public_dir: Path, tmp_path: Path):
+    """Default mount: no allow_other, default_permissions, nosuid, nodev; uid 65534 gets EACCES
+    for stat, read and the status xattr; set[ug]id bits from the source never appear; nothing is
+    written outside the local and state dirs (DEST, SRC and TMPDIR unchanged afterwards)."""
+    src = _permission_tree(public_dir)
     (src / "suid").write_bytes(b"#!/bin/sh\n")
     os.chmod(src / "suid", 0o6755)
     dest = public_dir / "dest"
@@ -579,13 +585,7 @@ def test_mount_is_private_and_writes_nowhere_else(public_dir: Path, tmp_path: Pa
 def test_allow_other_still_enforces_permissions_and_guards_status(public_dir: Path, tmp_path: Path):
     """With -o allow_other: uid 65534 reads a 0644 file, gets EACCES on a 0600 file
     (default_permissions) and on the status xattr; listxattr on the root hides it from them."""
-    src = public_dir / "src"
-    src.mkdir()
-    os.chmod(src, 0o755)
-    (src / "public.txt").write_bytes(b"world readable\n")
-    os.chmod(src / "public.txt", 0o644)
-    (src / "secret.txt").write_bytes(b"owner only\n")
-    os.chmod(src / "secret.txt", 0o600)
+    src = _permission_tree(public_dir)
     dest = public_dir / "dest"
     prep(src, dest, PrepOptions(partitions=1, workers=1))
     state = tmp_path / "state"
