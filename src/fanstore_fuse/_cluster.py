@@ -10,6 +10,7 @@ lookup/getattr/readdir of paths owned by other ranks by asking the owner, cachin
 from __future__ import annotations
 
 import logging
+import socket
 import time
 
 import trio
@@ -277,6 +278,7 @@ def serve_handlers(
 def local_status(rank: int, node: Node, transport: MpiTransport) -> dict[str, object]:
     d = node.local_status()
     d["rank"] = rank
+    d["host"] = socket.gethostname()
     d["mpi_bytes_sent"] = transport.bytes_sent
     d["mpi_bytes_received"] = transport.bytes_received
     d["requests_in_flight"] = transport.requests_in_flight

@@ -54,6 +54,11 @@ class MountConfig:
     writable: bool = True
     write_quota: int | None = None
     progress_file: str | None = None  # rank 0 reports stage-in progress here for the launcher
+    join: str | None = None  # rendezvous dir: daemons started one per node join one group
+    node_index: int = 0  # with join: this node's index in the job's node list
+    nodes: int = 1  # with join: how many nodes
+    join_timeout: float = 120.0
+    stage_out: str | None = None  # recorded for `umount` (and the SLURM epilog)
 
 
 def fuse_options(cfg: MountConfig) -> set[str]:
@@ -255,19 +260,39 @@ async def _serve(node: Node, max_tasks: int, transport=None, warm=None) -> None:
         nursery.cancel_scope.cancel()
 
 
+def communicator(cfg: MountConfig) -> tuple[Any, int, int]:
+    """(comm, rank, size): MPI.COMM_WORLD of mpiexec/srun, the group joined by daemons started
+    one per node (`cfg.join`, see `_rendezvous`), or no MPI at all."""
+    if not cfg.mpi:
+        return None, 0, 1
+    from mpi4py import rc
+
+    rc.thread_level = "multiple"
+    from mpi4py import MPI
+
+    if cfg.join:
+        from ._rendezvous import Rendezvous, join
+
+        rv = Rendezvous(cfg.join, cfg.node_index, cfg.nodes, cfg.join_timeout)
+        comm = join(rv, lambda msg: _report_failure(cfg, f"error: {msg}"))
+    else:
+        comm = MPI.COMM_WORLD
+    comm.Set_errhandler(MPI.ERRORS_RETURN)
+    return comm, comm.Get_rank(), comm.Get_size()
+
+
+def _report_failure(cfg: MountConfig, msg: str) -> None:
+    write_ready_file(cfg.ready_file, msg)
+    notify(cfg.ready_fd, msg)
+
+
 def serve(cfg: MountConfig) -> int:
     """Run one rank's daemon in this process until unmounted or signalled."""
-    if cfg.mpi:
-        from mpi4py import rc
-
-        rc.thread_level = "multiple"
-        from mpi4py import MPI
-
-        comm = MPI.COMM_WORLD
-        comm.Set_errhandler(MPI.ERRORS_RETURN)
-        rank, nranks = comm.Get_rank(), comm.Get_size()
-    else:
-        comm, rank, nranks = None, 0, 1
+    try:
+        comm, rank, nranks = communicator(cfg)
+    except FanstoreError as e:
+        _report_failure(cfg, f"error: {e}")
+        return 1
     m = _Mounted(for_rank(cfg.mountpoint, rank))
     error = ""
     transport = None
@@ -306,6 +331,10 @@ def serve(cfg: MountConfig) -> int:
 
                 m.shared = SharedWrites(rank, placement, transport, m.writes, cfg.peer_timeout)
                 m.shared.register(transport.handlers)
+                from . import _stageout_all
+
+                assert m.local is not None
+                _stageout_all.register(transport.handlers, rank, m.local)
             if cfg.warm_metadata:
                 async def warm() -> None:
                     n = await meta.warm(nranks)
@@ -329,15 +358,18 @@ def serve(cfg: MountConfig) -> int:
     if errors:
         m.teardown()
         msg = "error: " + "; ".join(errors)
-        if rank == 0:
+        if rank == 0 or cfg.join:
             write_ready_file(cfg.ready_file, msg)
         notify(cfg.ready_fd, msg if nranks > 1 else f"error: {error}")
         return 1
-    here = [i for i in infos if i["host"] == me["host"]]
+    # Joined daemons were started one per node: each node's state holds only its own daemon.
+    here = [me] if cfg.join else [i for i in infos if i["host"] == me["host"]]
     group = MountState(
         key=mount_key(cfg.mountpoint), template=os.path.abspath(cfg.mountpoint),
         dest=os.path.abspath(cfg.dest), mountpoints=[i["mountpoint"] for i in here],
         local_dirs=[i["local"] for i in here], pids=[i["pid"] for i in here], ranks=nranks,
+        stage_out=os.path.abspath(cfg.stage_out) if cfg.stage_out else "",
+        hosts=[i["host"] for i in infos],
     )
     own = MountState(
         key=mount_key(m.mountpoint), template=os.path.abspath(cfg.mountpoint),
@@ -348,15 +380,21 @@ def serve(cfg: MountConfig) -> int:
         own.save()
     if rank == 0 or here[0]["rank"] == rank:
         group.save()
+    summary = ""
     if rank == 0:
         staged = sum(i["staged"] for i in infos)
         secs = max(i["stage_us"] for i in infos) / 1e6
         summary = (f"stage-in: {staged} bytes on {nranks} rank(s) in {secs:.2f} s "
                    f"({staged / max(secs, 1e-9) / 1e6:.0f} MB/s aggregate)")
         log.info("%s", summary)
+    if rank == 0 or cfg.join:
         write_ready_file(cfg.ready_file, "ready\n" + summary)
     notify(cfg.ready_fd, "ready")
     code = 0
+    if transport is not None and cfg.writable:
+        mine = {i["rank"] for i in here}
+        others = [r for r in range(nranks) if r not in mine]
+        warm = _with_stageout_requests(warm, group.key, others, [i["host"] for i in infos], transport)
     try:
         assert m.node is not None  # set by the setup, which succeeded on every rank
         trio.run(_serve, m.node, cfg.max_tasks, transport, warm)
@@ -370,6 +408,22 @@ def serve(cfg: MountConfig) -> int:
             group.remove()
         logging.shutdown()
     return code
+
+
+def _with_stageout_requests(warm, key: str, others: list[int], hosts: list[str], transport):
+    """The side task(s) of a multi-rank daemon: metadata warm-up, and answering `umount
+    --stage-out` run on this node for every node (see `_stageout_all`)."""
+    from ._stageout_all import serve_requests
+
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # until trio listens for it
+
+    async def side() -> None:
+        async with trio.open_nursery() as n:
+            if warm is not None:
+                n.start_soon(warm)
+            n.start_soon(serve_requests, key, others, hosts, transport)
+
+    return side
 
 
 def setup_logging(debug: bool = False) -> None:

@@ -78,9 +78,10 @@ def _tail(path: str) -> str:
         return "(no log)"
 
 
-def launcher_command(ranks: int | None) -> list[str]:
-    """`mpiexec -n N` from the mpich wheel for local ranks; `srun` inside a SLURM job."""
-    if ranks is None and os.environ.get("SLURM_JOB_ID"):
+def launcher_command(ranks: int | None, joined: bool = False) -> list[str]:
+    """`mpiexec -n N` from the mpich wheel for local ranks; `srun` inside a SLURM job; with
+    `joined`, `mpiexec -n 1` on this node only (one daemon per node, see `_rendezvous`)."""
+    if ranks is None and not joined and os.environ.get("SLURM_JOB_ID"):
         nodes = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or "1"
         return ["srun", "--overlap", "--ntasks-per-node=1", f"--nodes={nodes}", f"--ntasks={nodes}"]
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
@@ -88,18 +89,25 @@ def launcher_command(ranks: int | None) -> list[str]:
         mpiexec = shutil.which("mpiexec") or "mpiexec"
     # Without auto-cleanup, one rank dying does not take the others down: they keep serving
     # from replicas and the source.
-    return [mpiexec, "-n", str(ranks or 1), "-disable-auto-cleanup"]
+    cmd = [mpiexec, "-n", str(ranks or 1), "-disable-auto-cleanup"]
+    if joined:
+        # In a SLURM prolog hydra would otherwise see the job's environment and launch with
+        # srun on the job's first node; this daemon belongs on this node.
+        cmd[1:1] = ["-launcher", "fork", "-rmk", "user"]
+    return cmd
 
 
-def start_ranks(argv: list[str], template: str, ranks: int | None, timeout: float) -> MountState:
-    """Start every rank in the background; return once all ranks' mounts answer."""
+def start_ranks(argv: list[str], template: str, ranks: int | None, timeout: float,
+                joined: bool = False) -> MountState:
+    """Start every rank in the background; return once all ranks' mounts answer. With
+    `joined`, start only this node's daemon (it joins the others, see `_rendezvous`)."""
     key = mount_key(template)
     ready = os.path.join(state_dir(), f"{key}.ready")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(ready)
     logp = log_path(template)
     progress = os.path.join(state_dir(), f"{key}.progress")
-    cmd = [*launcher_command(ranks), sys.executable, "-m", "fanstore_fuse", *argv,
+    cmd = [*launcher_command(ranks, joined), sys.executable, "-m", "fanstore_fuse", *argv,
            "--mpi", "--ready-file", ready, "--progress-file", progress]
     with open(logp, "ab") as logf:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,

@@ -42,6 +42,7 @@ OP_W_UNPUBLISH = 8  # body = msgpack path -> ack
 OP_W_STAT = 9  # body = msgpack path -> msgpack entry
 OP_W_LIST = 10  # body = msgpack dir path -> msgpack [entries]
 OP_W_READ = 11  # arg = chunk, body = msgpack path -> committed chunk bytes (writer only)
+OP_STAGE_OUT = 12  # body = msgpack out dir -> msgpack stage-out summary of the rank's written files
 OP_NAMES = {
     OP_PING: "ping",
     OP_FETCH_BLOB: "fetch_blob",
@@ -54,6 +55,7 @@ OP_NAMES = {
     OP_W_STAT: "written_stat",
     OP_W_LIST: "written_list",
     OP_W_READ: "written_read",
+    OP_STAGE_OUT: "stage_out",
 }
 
 

@@ -57,6 +57,8 @@ class MountState:
     ranks: int = 1
     log: str = ""
     launcher_pid: int = 0
+    stage_out: str = ""  # `mount --stage-out DIR`: where `umount` saves written files
+    hosts: list[str] = field(default_factory=list)  # every rank's host, by rank
 
     def path(self) -> str:
         return os.path.join(state_dir(), f"{self.key}.json")
@@ -251,6 +253,7 @@ def umount(
         if lazy_unmount(mp):
             return UmountResult([mp], 0, 0, stale=True)
         raise FanstoreError(f"{mp} is not a fanstore-fuse mount")
+    stage_out_dir = stage_out_dir or st.stage_out or None
     # Daemons first (they unmount and clean up themselves), then the launcher (mpiexec/srun),
     # which could otherwise kill them in the middle of their clean-up.
     killed = stop_pids(list(st.pids), timeout)

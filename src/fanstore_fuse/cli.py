@@ -146,6 +146,15 @@ def mount(
         None, "--write-quota", help="bytes files written into the mount may take per node (10G)"
     ),
     read_only: bool = typer.Option(False, "--read-only", help="refuse all writes (EROFS)"),
+    stage_out: str | None = typer.Option(
+        None, "--stage-out", help="where `umount` (and the SLURM epilog) saves written files"
+    ),
+    join: str | None = typer.Option(
+        None, "--join", help="shared dir where daemons started one per node meet (prolog mode)"
+    ),
+    node_index: int = typer.Option(0, "--node-index", help="with --join: this node's index"),
+    nodes: int = typer.Option(1, "--nodes", help="with --join: number of nodes"),
+    join_timeout: float = typer.Option(120.0, "--join-timeout", help="seconds to wait for all nodes"),
     mpi: bool = typer.Option(False, "--mpi", hidden=True),
     ready_file: str | None = typer.Option(None, "--ready-file", hidden=True),
     progress_file: str | None = typer.Option(None, "--progress-file", hidden=True),
@@ -157,10 +166,12 @@ def mount(
     """
     from ._daemon import MountConfig, serve, setup_logging
 
-    multi = not mpi and (ranks is not None or bool(os.environ.get("SLURM_JOB_ID")))
+    multi = not mpi and (ranks is not None or bool(join) or bool(os.environ.get("SLURM_JOB_ID")))
     if multi or not foreground:
         # The daemon(s) run this same command in the foreground, with the same options.
         argv = ["mount", dest, mountpoint, "--foreground", *_write_args(write_quota, read_only)]
+        if stage_out:
+            argv += ["--stage-out", os.path.abspath(stage_out)]
         if local:
             argv += ["--local", local]
         for o in option:
@@ -174,11 +185,17 @@ def mount(
                  "--warm-metadata" if warm_metadata else "--no-warm-metadata"]
         if ranks is not None and ranks > 1 and "{rank}" not in mountpoint:
             _fail("with --ranks > 1 the MOUNTPOINT must contain {rank}")
+        if join:
+            argv += ["--join", os.path.abspath(join), "--node-index", str(node_index),
+                     "--nodes", str(nodes), "--join-timeout", str(join_timeout)]
+            ranks = 1
         try:
-            st = start_ranks(argv, mountpoint, ranks, timeout)
+            st = start_ranks(argv, mountpoint, ranks, timeout, joined=bool(join))
         except FanstoreError as e:
             _fail(str(e))
-        err.print(f"mounted {dest} on {st.ranks} rank(s): {', '.join(st.mountpoints)}", highlight=False)
+        where = f" (node {node_index} of {nodes})" if join else ""
+        err.print(f"mounted {dest} on {st.ranks} rank(s){where}: {', '.join(st.mountpoints)}",
+                  highlight=False)
         return
     if not foreground:
         from ._launch import start_background
@@ -196,7 +213,8 @@ def mount(
         dest, mountpoint, local, list(option), ready_fd, ready_file, debug, mpi=mpi,
         replicas=replicas, warm_metadata=warm_metadata, peer_timeout=peer_timeout,
         writable=not read_only, write_quota=_parse_size(write_quota),
-        progress_file=progress_file,
+        progress_file=progress_file, join=join, node_index=node_index, nodes=nodes,
+        join_timeout=join_timeout, stage_out=stage_out,
     )
     raise typer.Exit(serve(cfg))
 
@@ -227,9 +245,14 @@ def umount(
     ),
     workers: int = typer.Option(4, "--workers", "-w", help="parallel copies for --stage-out"),
 ) -> None:
-    """Unmount, stop the daemon(s), stage out written files, remove the node-local copies."""
+    """Unmount, stop the daemon(s), stage out written files, remove the node-local copies.
+
+    With --stage-out, the written files of ranks on other nodes are staged out too (they keep
+    running); without it, the directory given at mount time (`mount --stage-out`) is used
+    for this node's files only (the SLURM epilog runs this on every node)."""
     from ._mountctl import umount as do_umount
 
+    remote_failed = stage_out is not None and not _stage_out_other_nodes(mountpoint, stage_out)
     try:
         res = do_umount(mountpoint, timeout, stage_out, workers)
     except FanstoreError as e:
@@ -243,8 +266,27 @@ def umount(
     for d in res.kept:
         err.print(f"written files kept in {d}: `fanstore-fuse recover {d} --stage-out DIR`",
                   highlight=False)
-    if res.stage_out is not None and not res.stage_out.ok:
+    if remote_failed or (res.stage_out is not None and not res.stage_out.ok):
         raise typer.Exit(1)
+
+
+def _stage_out_other_nodes(mountpoint: str, out_dir: str) -> bool:
+    """Ask the ranks on other nodes to stage out their written files; False if any did not."""
+    from . import _stageout_all
+    from ._mountctl import find_state
+
+    st = find_state(mountpoint)
+    if st is None or not _stageout_all.needed(st):
+        return True
+    try:
+        results = _stageout_all.request(st, out_dir)
+    except FanstoreError as e:
+        err.print(f"other nodes: {e}", highlight=False)
+        return False
+    for r in results:
+        for line in _stageout_all.describe(r, st.template, out_dir):
+            err.print(line, highlight=False)
+    return all(r.get("ok") for r in results)
 
 
 @app.command()
@@ -297,7 +339,7 @@ def status(
         return
     from rich.table import Table
 
-    cols = [("rank", "rank"), ("blobs held", "blobs_held"), ("bytes held", "bytes_held"),
+    cols = [("rank", "rank"), ("host", "host"), ("blobs held", "blobs_held"), ("bytes held", "bytes_held"),
             ("local reads", "local_reads"), ("remote reads", "remote_reads"),
             ("remote bytes", "remote_bytes"), ("MPI bytes in", "mpi_bytes_received"),
             ("cache hits", "cache_hits"), ("in flight", "requests_in_flight"),
@@ -310,6 +352,9 @@ def status(
         table.add_row(*(f"{flat[k]:,}" if isinstance(flat.get(k), int) else str(flat.get(k, "-"))
                         for _, k in cols))
     Console().print(table)
+    for r in data.get("ranks", []):
+        if r.get("error"):
+            err.print(f"rank {r.get('rank')}: {r['error']}", highlight=False)
 
 
 def main() -> None:  # pragma: no cover
