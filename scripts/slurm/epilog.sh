@@ -1,10 +1,13 @@
 #!/bin/bash
-# SLURM epilog snippet (every node, after the job): a backstop if the job did not unmount,
-# e.g. because it was cancelled or hit its time limit.
-MNT="/tmp/fanstore-$SLURM_JOB_ID"
-if command -v fanstore-fuse >/dev/null 2>&1; then
-  fanstore-fuse umount "$MNT" --timeout 10 || true
-fi
-grep -q " $MNT fuse" /proc/mounts && fusermount3 -u -z "$MNT" || true
-pkill -u "$SLURM_JOB_USER" -f "fanstore_fuse mount" || true
-rm -rf "/tmp/fanstore-local-$SLURM_JOB_ID" "$MNT"
+# Slurm Epilog= (runs as root on every node after the job). Unmounts the mount the prolog made
+# for THIS job only (never other jobs' or users' mounts), as the job user: written files are
+# staged out (verified) to the job's stage_out directory first; the local copy is removed only
+# after that. If anything could not be saved it stays on the node, the reason and place are
+# logged in $FANSTORE_JOB_DIR/job-$SLURM_JOB_ID.log, and the epilog exits 1 (Slurm drains the
+# node so an admin can run `fanstore-fuse recover`). A job-script mode mount left at
+# /tmp/fanstore-$SLURM_JOB_ID is unmounted the same way. Settings: see prolog.sh.
+conf=${FANSTORE_SLURM_ENV:-/etc/fanstore-fuse/slurm.env}
+if [[ -r "$conf" ]]; then set -a; . "$conf"; set +a; fi
+here=$(dirname "$(readlink -f "$0")")
+cli=${FANSTORE_FUSE:-$(command -v fanstore-fuse || echo "$here/../../.venv/bin/fanstore-fuse")}
+exec "$cli" slurm-epilog

@@ -357,5 +357,90 @@ def status(
             err.print(f"rank {r.get('rank')}: {r['error']}", highlight=False)
 
 
+@app.command("slurm-prolog")
+def slurm_prolog(plan: str | None = typer.Option(None, "--plan", hidden=True)) -> None:
+    """SLURM Prolog= (root, every node): mount what the job asked for with
+    `--comment=fanstore:DEST[,...]`, as the job user; exit 0 only once the mount answers."""
+    from . import _slurmjob as sj
+
+    if plan is not None:  # the job-user side
+        try:
+            print(sj.user_prolog(sj.JobPlan.from_json(plan)))
+        except (FanstoreError, OSError) as e:
+            _fail(str(e))
+        return
+    job = os.environ.get("SLURM_JOB_ID", "?")
+    node = os.environ.get("SLURMD_NODENAME", "?")
+    try:
+        p = sj.plan_from_env(dict(os.environ))
+    except sj.BadRequest as e:
+        sj.log(job, node, f"prolog: {e}; job cancelled")
+        sj.cancel_job(job, str(e))
+        err.print(f"{e}; job cancelled", highlight=False)
+        return
+    except FanstoreError as e:
+        sj.log(job, node, f"prolog: {e}")
+        _fail(f"job {job}: {e}")
+    if p is None:
+        return
+    sj.save_record(p)
+    where = f"job {p.job_id} node {p.node_index}/{p.nodes}"
+    r = _as_job_user(p, "slurm-prolog", p.timeout + 120)
+    out = " ".join((r.stdout + r.stderr).split()) if r else "timed out"
+    if r is None or r.returncode != 0:
+        if r is None:
+            _as_job_user(p, "slurm-epilog", 120)
+        sj.remove_record(p)
+        sj.log(p.job_id, p.node, f"prolog {where}: mount failed: {out} (cleaned up)")
+        _fail(f"{where}: mount of {p.dest} failed: {out} (cleaned up; nothing left mounted)")
+    sj.log(p.job_id, p.node, f"prolog {where}: {out}")
+    err.print(f"{where}: {out}", highlight=False)
+
+
+@app.command("slurm-epilog")
+def slurm_epilog(plan: str | None = typer.Option(None, "--plan", hidden=True)) -> None:
+    """SLURM Epilog= (root, every node): unmount this job's mount only, staging written files
+    out to the directory recorded at mount time first; exit 1 if anything could not be saved."""
+    from . import _slurmjob as sj
+    from ._mountctl import lazy_unmount
+
+    if plan is not None:  # the job-user side
+        try:
+            ok, lines = sj.user_epilog(sj.JobPlan.from_json(plan))
+        except (FanstoreError, OSError) as e:
+            _fail(str(e))
+        for line in lines:
+            print(line)
+        raise typer.Exit(0 if ok else 1)
+    job = os.environ.get("SLURM_JOB_ID", "")
+    p = sj.load_record(job, os.environ.get("SLURMD_NODENAME", "")) if job else None
+    recorded = p is not None
+    if p is None:
+        p = sj.script_mode_plan(dict(os.environ))
+        if p is None:
+            return
+    r = _as_job_user(p, "slurm-epilog", 3600)
+    out = " ".join((r.stdout + r.stderr).split()) if r else "timed out"
+    forced = lazy_unmount(p.mountpoint)  # a backstop: nothing of this job stays mounted
+    where = f"job {p.job_id} node {max(p.node_index, 0)}"
+    sj.log(p.job_id, p.node, f"epilog {where}: {out}" + ("; forced unmount" if forced else ""))
+    err.print(f"{where}: {out}", highlight=False)
+    if recorded and r is not None and r.returncode == 0:
+        sj.remove_record(p)
+    elif recorded:
+        _fail(f"{where}: {out}")
+
+
+def _as_job_user(p, verb: str, timeout: float):
+    import subprocess
+
+    from . import _slurmjob as sj
+
+    try:
+        return sj.run_as_user(p, verb, timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 def main() -> None:  # pragma: no cover
     app(prog_name="fanstore-fuse")
