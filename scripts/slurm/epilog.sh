@@ -6,7 +6,7 @@
 # logged in $FANSTORE_JOB_DIR/job-$SLURM_JOB_ID.log, and the epilog exits 1 (Slurm drains the
 # node so an admin can run `fanstore-fuse recover`). A job-script mode mount left at
 # /tmp/fanstore-$SLURM_JOB_ID is unmounted the same way. Settings: see prolog.sh.
-conf=${FANSTORE_SLURM_ENV:-/etc/fanstore-fuse/slurm.env}
+conf=${FANSTORE_SLURM_ENV:-$(dirname "${SLURM_CONF:-/etc/slurm/slurm.conf}")/fanstore-fuse.env}
 if [[ -r "$conf" ]]; then set -a; . "$conf"; set +a; fi
 here=$(dirname "$(readlink -f "$0")")
 cli=${FANSTORE_FUSE:-$(command -v fanstore-fuse || echo "$here/../../.venv/bin/fanstore-fuse")}

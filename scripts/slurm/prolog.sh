@@ -7,11 +7,12 @@
 # asked); non-zero = the mount failed and was cleaned up (Slurm drains the node and requeues
 # the job). See docs/slurm.md.
 #
-# Site settings (optional) come from $FANSTORE_SLURM_ENV (default /etc/fanstore-fuse/slurm.env),
-# a shell file of VAR=value lines: FANSTORE_FUSE (the CLI), FANSTORE_RENDEZVOUS_DIR (a shared
-# directory), FANSTORE_JOB_DIR, FANSTORE_MOUNT_BASE, FANSTORE_LOCAL_BASE,
-# FANSTORE_PROLOG_TIMEOUT, UCX_TLS / FI_PROVIDER for MPI between nodes.
-conf=${FANSTORE_SLURM_ENV:-/etc/fanstore-fuse/slurm.env}
+# Site settings (optional) come from fanstore-fuse.env next to slurm.conf (the prolog's
+# $SLURM_CONF; /etc/slurm/fanstore-fuse.env by default), a shell file of VAR=value lines:
+# FANSTORE_FUSE (the CLI), FANSTORE_RENDEZVOUS_DIR (a shared directory), FANSTORE_JOB_DIR,
+# FANSTORE_MOUNT_BASE, FANSTORE_LOCAL_BASE, FANSTORE_PROLOG_TIMEOUT, and UCX_TLS or
+# FI_PROVIDER for MPI between nodes. See docs/slurm.md.
+conf=${FANSTORE_SLURM_ENV:-$(dirname "${SLURM_CONF:-/etc/slurm/slurm.conf}")/fanstore-fuse.env}
 if [[ -r "$conf" ]]; then set -a; . "$conf"; set +a; fi
 here=$(dirname "$(readlink -f "$0")")
 cli=${FANSTORE_FUSE:-$(command -v fanstore-fuse || echo "$here/../../.venv/bin/fanstore-fuse")}

@@ -1,0 +1,83 @@
+"""Run inside a job on a node (and imported by the tests): compare the mount with the source,
+write this node's outputs, read while a peer dies.
+
+    _jobtool.py compare SRC MNT               every entry and byte of MNT equals SRC
+    _jobtool.py write MNT [BIG_MB]            this node's outputs (deterministic bytes)
+    _jobtool.py readloop SRC MNT SECONDS      compare file bytes repeatedly for SECONDS
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _harness import assert_same_tree  # noqa: E402
+
+SMALL = (("notes.txt", 1000), ("metrics/epoch-1.json", 20_000), ("metrics/epoch-2.json", 300_000))
+
+
+def content(host: str, name: str, size: int) -> bytes:
+    """The bytes node `host` writes as `name` (the test regenerates them to compare)."""
+    return random.Random(f"{host}/{name}").randbytes(size)
+
+
+def outputs(host: str, big_mb: int) -> dict[str, int]:
+    """Relative path -> size of everything `host` writes (under out-HOST/)."""
+    files = {f"out-{host}/{n}": s for n, s in SMALL}
+    if big_mb:
+        files[f"out-{host}/checkpoint.pt"] = big_mb << 20
+    return files
+
+
+def write(mnt: str, big_mb: int) -> None:
+    host = socket.gethostname()
+    for rel, size in outputs(host, big_mb).items():
+        path = os.path.join(mnt, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            data = content(host, rel, size)
+            for off in range(0, size, 8 << 20):
+                f.write(data[off : off + (8 << 20)])
+    print(f"{host}: wrote {len(outputs(host, big_mb))} files", flush=True)
+
+
+def readloop(src: str, mnt: str, seconds: float) -> None:
+    host = socket.gethostname()
+    files = []
+    for d, _, names in os.walk(src):
+        for n in names:
+            p = os.path.join(d, n)
+            if os.path.isfile(p) and not os.path.islink(p):
+                files.append(os.path.relpath(p, src))
+    deadline = time.monotonic() + seconds
+    rounds = checked = 0
+    while rounds == 0 or time.monotonic() < deadline:
+        random.Random(rounds).shuffle(files)
+        for rel in files:
+            with open(os.path.join(src, rel), "rb") as a, open(os.path.join(mnt, rel), "rb") as b:
+                if a.read() != b.read():
+                    raise SystemExit(f"{host}: {rel} differs from the source")
+            checked += 1
+        rounds += 1
+    print(f"{host}: {checked} file reads in {rounds} rounds identical to the source", flush=True)
+
+
+def main(argv: list[str]) -> None:
+    if argv[0] == "compare":
+        n = assert_same_tree(argv[1], argv[2])
+        print(f"{socket.gethostname()}: {n} entries identical to the source", flush=True)
+    elif argv[0] == "write":
+        write(argv[1], int(argv[2]) if len(argv) > 2 else 0)
+    elif argv[0] == "readloop":
+        readloop(argv[1], argv[2], float(argv[3]))
+    else:
+        raise SystemExit(__doc__)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
