@@ -8,6 +8,7 @@ write this node's outputs, read while a peer dies.
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import socket
@@ -47,6 +48,8 @@ def write(mnt: str, big_mb: int) -> None:
 
 
 def readloop(src: str, mnt: str, seconds: float) -> None:
+    """Compare every file for `seconds` (at least one round). A read that fails with an errno
+    is counted and reported; a read that returns other bytes than the source fails at once."""
     host = socket.gethostname()
     files = []
     for d, _, names in os.walk(src):
@@ -55,16 +58,26 @@ def readloop(src: str, mnt: str, seconds: float) -> None:
             if os.path.isfile(p) and not os.path.islink(p):
                 files.append(os.path.relpath(p, src))
     deadline = time.monotonic() + seconds
-    rounds = checked = 0
+    rounds = same = 0
+    errors: dict[str, int] = {}
     while rounds == 0 or time.monotonic() < deadline:
         random.Random(rounds).shuffle(files)
         for rel in files:
-            with open(os.path.join(src, rel), "rb") as a, open(os.path.join(mnt, rel), "rb") as b:
-                if a.read() != b.read():
-                    raise SystemExit(f"{host}: {rel} differs from the source")
-            checked += 1
+            with open(os.path.join(src, rel), "rb") as a:
+                want = a.read()
+            try:
+                with open(os.path.join(mnt, rel), "rb") as b:
+                    got = b.read()
+            except OSError as e:
+                name = errno.errorcode.get(e.errno or 0, str(e.errno))
+                errors[name] = errors.get(name, 0) + 1
+                continue
+            if got != want:
+                raise SystemExit(f"{host}: WRONG BYTES: {rel} differs from the source")
+            same += 1
         rounds += 1
-    print(f"{host}: {checked} file reads in {rounds} rounds identical to the source", flush=True)
+    print(f"{host}: {same} file reads in {rounds} rounds identical to the source; "
+          f"errors: {errors or 'none'}", flush=True)
 
 
 def main(argv: list[str]) -> None:
