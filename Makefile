@@ -11,12 +11,14 @@ EXTRAS ?= test,bench,tensor
 all: test
 
 # Debian packages: fuse3 (fusermount3), libfuse3-dev + pkg-config (pyfuse3 builds from source),
-# squashfs-tools + squashfuse (benchmark anchors).
+# squashfs-tools + squashfuse (benchmark anchors); as root also slurm-wlm + munge (the `slurm`
+# tests' one-machine cluster, scripts/minicluster/).
+SLURM_DEPS := $(shell [ "$$(id -u)" = 0 ] && echo --slurm)
 deps:
-	@bash scripts/install-deps.sh
+	@bash scripts/install-deps.sh $(SLURM_DEPS)
 
 $(STAMP): pyproject.toml scripts/install-deps.sh
-	@bash scripts/install-deps.sh
+	@bash scripts/install-deps.sh $(SLURM_DEPS)
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip wheel
 	$(PIP) install --quiet -e '.[$(EXTRAS)]'

@@ -1,0 +1,386 @@
+#!/usr/bin/env python3
+"""A real Slurm cluster on one machine: munged, slurmctld and N `slurmd -N nK`, each slurmd in its
+own UTS + mount namespace (hostname nK, a private /tmp bound from DIR/nodes/nK/tmp).
+
+    minicluster.py start  --dir DIR [--nodes 3] [--prolog P] [--epilog E] [--mpi-default none]
+    minicluster.py status --dir DIR
+    minicluster.py run    --dir DIR K -- CMD...      (run CMD on node K, inside its namespaces)
+    minicluster.py submit --dir DIR SCRIPT [--timeout S] [-- SBATCH-ARGS...]
+    minicluster.py stop   --dir DIR [--purge]
+
+DIR must not be under /tmp (every node's /tmp is its own). Clients need `SLURM_CONF=DIR/etc/
+slurm.conf` (printed by `start`); jobs between nodes should use `UCX_TLS=tcp,self` (see
+docs/slurm.md). Needs root, `unshare`, `nsenter` and Debian's `slurm-wlm munge`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from slurmconf import ConfSpec, node_names, pick_ports, render  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+               "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+# What a job's MPI needs between namespaced "nodes" of one host: TCP, never shared memory.
+JOB_ENV = {"UCX_TLS": "tcp,self"}
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+def missing_tools() -> list[str]:
+    tools = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "unshare", "nsenter")
+    return [t for t in tools if shutil.which(t) is None]
+
+
+def install_packages() -> None:
+    """Install Debian's slurm-wlm and munge (root only), via scripts/install-deps.sh --slurm."""
+    subprocess.run(["bash", str(REPO / "scripts" / "install-deps.sh"), "--slurm"], check=True,
+                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+
+
+@dataclass
+class JobResult:
+    job_id: int
+    state: str
+    exit_code: int
+    output: str
+    fields: dict[str, str]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id}: {self.state} exit {self.exit_code}\n{self.output}"
+
+
+class Cluster:
+    def __init__(self, root: str | os.PathLike[str], nodes: int = 3):
+        self.root = Path(root).resolve()
+        self.nodes = nodes
+        self.pids: dict[str, int] = {}
+        self.info: dict[str, object] = {}
+
+    # -- paths and environment --------------------------------------------------------------
+    @property
+    def conf(self) -> Path:
+        return self.root / "etc" / "slurm.conf"
+
+    @property
+    def shared(self) -> Path:
+        """A directory every node sees at the same path (DEST, stage-out, job output)."""
+        return self.root / "shared"
+
+    def node_tmp(self, k: int) -> Path:
+        """Node k's /tmp, as seen from outside its namespace."""
+        return self.root / "nodes" / f"n{k}" / "tmp"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """Environment for Slurm clients (sbatch, srun, scontrol) and the jobs they start."""
+        env = dict(os.environ, SLURM_CONF=str(self.conf), **JOB_ENV)
+        env.update(extra)
+        return env
+
+    def _state_file(self) -> Path:
+        return self.root / "cluster.json"
+
+    def load(self) -> Cluster:
+        data = json.loads(self._state_file().read_text())
+        self.nodes, self.pids, self.info = data["nodes"], data["pids"], data["info"]
+        return self
+
+    def _save(self) -> None:
+        self._state_file().write_text(json.dumps(
+            {"nodes": self.nodes, "pids": self.pids, "info": self.info}, indent=1))
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self, prolog: str | None = None, epilog: str | None = None,
+              mpi_default: str = "none", timeout: float = 60.0) -> Cluster:
+        if str(self.root).startswith("/tmp/") or str(self.root) == "/tmp":
+            raise ClusterError(f"{self.root} is under /tmp, which every node replaces with its own")
+        if os.geteuid() != 0:
+            raise ClusterError("the minicluster needs root (namespaces, slurmd)")
+        if self._state_file().exists():
+            raise ClusterError(f"a cluster already runs in {self.root} (stop it first)")
+        ports = pick_ports(self.nodes + 1)
+        for sub in ("etc", "log", "munge", "ctld/state", "shared/jobs"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root / "munge", 0o700)
+        for name in node_names(self.nodes):
+            (self.root / "nodes" / name / "spool").mkdir(parents=True, exist_ok=True)
+            (self.root / "nodes" / name / "tmp").mkdir(exist_ok=True)
+            os.chmod(self.root / "nodes" / name / "tmp", 0o1777)
+        os.chmod(self.root / "shared", 0o1777)
+        spec = ConfSpec(self.root, self.nodes, ports[0], ports[1:], prolog, epilog, mpi_default)
+        self.conf.write_text(render(spec))
+        self.info = {"ctld_port": ports[0], "node_ports": ports[1:], "prolog": prolog,
+                     "epilog": epilog, "mpi_default": mpi_default}
+        self._save()
+        try:
+            self._start_munged()
+            self._start_ctld(timeout)
+            for k in range(self.nodes):
+                self._start_slurmd(k)
+            self._save()
+            self._wait_idle(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, name: str, cmd: list[str]) -> int:
+        log = open(self.root / "log" / f"{name}.out", "ab")  # noqa: SIM115 (kept by the child)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                start_new_session=True, env=self.env())
+        log.close()
+        self.pids[name] = proc.pid
+        self._save()
+        return proc.pid
+
+    def _start_munged(self) -> None:
+        m = self.root / "munge"
+        key = m / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        os.chmod(key, 0o400)
+        self._spawn("munged", ["munged", "-F", "--force", f"--socket={m / 'munge.sock'}",
+                               f"--key-file={key}", f"--log-file={self.root / 'log' / 'munged.log'}",
+                               f"--pid-file={m / 'munged.pid'}", f"--seed-file={m / 'munged.seed'}"])
+        self._wait(lambda: (m / "munge.sock").exists(), 20, "munged did not create its socket")
+
+    def _start_ctld(self, timeout: float) -> None:
+        self._spawn("slurmctld", ["slurmctld", "-D", "-c", "-f", str(self.conf)])
+
+        def up() -> bool:
+            r = subprocess.run(["scontrol", "ping"], env=self.env(), capture_output=True, text=True)
+            return "UP" in r.stdout
+        self._wait(up, timeout, "slurmctld did not answer `scontrol ping`")
+
+    def _start_slurmd(self, k: int) -> None:
+        name = f"n{k}"
+        inner = (f"hostname {name} && mount --bind {self.node_tmp(k)} /tmp && "
+                 f"exec slurmd -D -N {name} -f {self.conf}")
+        self._spawn(f"slurmd-{name}", ["unshare", "--uts", "--mount", "--propagation", "private",
+                                       "--", "/bin/sh", "-c", inner])
+
+    def _wait_idle(self, timeout: float) -> None:
+        def idle() -> bool:
+            for name, pid in self.pids.items():
+                if not _alive(pid):
+                    raise ClusterError(f"{name} (pid {pid}) exited; see {self.root / 'log'}")
+            r = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], env=self.env(),
+                               capture_output=True, text=True)
+            states = [ln.split()[1] for ln in r.stdout.splitlines() if ln.strip()]
+            return len(states) == self.nodes and all(s == "idle" for s in states)
+        self._wait(idle, timeout, "nodes did not become idle")
+
+    def _wait(self, cond, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if cond():
+                return
+            time.sleep(0.2)
+        raise ClusterError(f"{what} within {timeout:.0f} s; logs in {self.root / 'log'}")
+
+    def stop(self, purge: bool = False) -> list[str]:
+        """Kill every process of every node namespace, then slurmctld and munged, by pid; remove
+        spool, state and node directories (all of DIR with purge). Returns what was left alive."""
+        nodes = [n for n in self.pids if n.startswith("slurmd-")]
+        inside: set[int] = set()
+        for n in nodes:
+            inside |= set(self.ns_pids(self.pids[n]))
+        _terminate(sorted(inside), 10.0)
+        for name in ("slurmctld", "munged"):
+            if name in self.pids:
+                _terminate([self.pids[name]], 10.0)
+        left = [f"{pid}" for pid in inside | set(self.pids.values()) if _alive(pid)]
+        for sub in ("ctld", "nodes", "munge", "etc", "cluster.json"):
+            p = self.root / sub
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+        if purge:
+            shutil.rmtree(self.root, ignore_errors=True)
+        self.pids = {}
+        return left
+
+    # -- looking into nodes -----------------------------------------------------------------
+    def slurmd_pid(self, k: int) -> int:
+        return self.pids[f"slurmd-n{k}"]
+
+    def ns_pids(self, anchor: int) -> list[int]:
+        """Every process in the mount namespace of `anchor` (a node's slurmd), anchor included."""
+        try:
+            ns = os.readlink(f"/proc/{anchor}/ns/mnt")
+        except OSError:
+            return []
+        out = []
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{d}/ns/mnt") == ns:
+                        out.append(int(d))
+        return out
+
+    def run_on(self, k: int, cmd: list[str], timeout: float = 120.0,
+               check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Run `cmd` on node k: in its UTS and mount namespaces (its hostname, its /tmp)."""
+        full = ["nsenter", "-t", str(self.slurmd_pid(k)), "-u", "-m", "--", *cmd]
+        r = subprocess.run(full, env=self.env(), capture_output=True, text=True, timeout=timeout)
+        if check and r.returncode != 0:
+            raise ClusterError(f"on n{k}: {' '.join(cmd)} exited {r.returncode}: {r.stderr.strip()}")
+        return r
+
+    def fuse_mounts(self, k: int) -> list[str]:
+        """Mountpoints of FUSE file systems on node k."""
+        with open(f"/proc/{self.slurmd_pid(k)}/mounts") as f:
+            return [ln.split()[1] for ln in f if ln.split()[2].startswith("fuse")]
+
+    def procs(self, k: int, needle: str = "fanstore") -> list[tuple[int, str]]:
+        """(pid, command line) of node k's processes whose command line contains `needle`."""
+        out = []
+        for pid in self.ns_pids(self.slurmd_pid(k)):
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                if needle in cmd:
+                    out.append((pid, cmd))
+        return out
+
+    def local_entries(self, k: int, prefix: str = "fanstore") -> list[str]:
+        """Names in node k's /tmp that start with `prefix` (mountpoints, local copies, state)."""
+        return sorted(p.name for p in self.node_tmp(k).iterdir() if p.name.startswith(prefix))
+
+    # -- jobs -------------------------------------------------------------------------------
+    def submit(self, script: str | os.PathLike[str], *args: str, timeout: float = 300.0,
+               env: dict[str, str] | None = None) -> JobResult:
+        """sbatch SCRIPT ARGS, wait until it ends (scancel after `timeout`), return its result."""
+        out = self.shared / "jobs" / "slurm-%j.out"
+        r = subprocess.run(["sbatch", "--parsable", f"--output={out}", *args, str(script)],
+                           env=env or self.env(), capture_output=True, text=True, timeout=60)
+        if r.returncode != 0:
+            raise ClusterError(f"sbatch failed: {r.stderr.strip()}")
+        job = int(r.stdout.strip().split(";")[0])
+        return self.wait(job, timeout)
+
+    def job_fields(self, job: int) -> dict[str, str]:
+        r = subprocess.run(["scontrol", "show", "job", "-o", str(job)], env=self.env(),
+                           capture_output=True, text=True, timeout=60)
+        fields = {}
+        for tok in r.stdout.split():
+            key, sep, val = tok.partition("=")
+            if sep and key not in fields:
+                fields[key] = val
+        return fields
+
+    def wait(self, job: int, timeout: float = 300.0) -> JobResult:
+        deadline = time.monotonic() + timeout
+        fields: dict[str, str] = {}
+        while time.monotonic() < deadline:
+            fields = self.job_fields(job)
+            if fields.get("JobState") in DONE_STATES:
+                break
+            time.sleep(0.5)
+        else:
+            subprocess.run(["scancel", str(job)], env=self.env(), timeout=60)
+            output = self._job_output(job)
+            raise ClusterError(f"job {job} still {fields.get('JobState')} after {timeout:.0f} s "
+                               f"(cancelled); output:\n{output}")
+        code = int(fields.get("ExitCode", "1:0").split(":")[0])
+        return JobResult(job, fields["JobState"], code, self._job_output(job), fields)
+
+    def _job_output(self, job: int) -> str:
+        p = self.shared / "jobs" / f"slurm-{job}.out"
+        return p.read_text(errors="replace") if p.exists() else "(no output file)"
+
+    def status(self) -> str:
+        alive = {name: (pid, _alive(pid)) for name, pid in self.pids.items()}
+        lines = [f"{name:12s} pid {pid:7d} {'running' if ok else 'DEAD'}"
+                 for name, (pid, ok) in alive.items()]
+        r = subprocess.run(["sinfo", "-N", "-o", "%N %T %E"], env=self.env(),
+                           capture_output=True, text=True, timeout=30)
+        return "\n".join([*lines, r.stdout.strip() or r.stderr.strip()])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _terminate(pids: list[int], grace: float) -> None:
+    """SIGTERM, wait up to `grace` s, SIGKILL what is left, wait until gone (children of ours
+    are reaped)."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            for pid in pids:
+                with contextlib.suppress(ChildProcessError, OSError):
+                    os.waitpid(pid, os.WNOHANG)
+            if not any(_alive(p) for p in pids):
+                return
+            time.sleep(0.1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("action", choices=["start", "stop", "status", "run", "submit"])
+    ap.add_argument("--dir", default="/var/tmp/fanstore-minicluster")
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--prolog")
+    ap.add_argument("--epilog")
+    ap.add_argument("--mpi-default", default="none")
+    ap.add_argument("--purge", action="store_true")
+    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("rest", nargs="*")
+    a = ap.parse_args(argv)
+    c = Cluster(a.dir, a.nodes)
+    try:
+        if a.action == "start":
+            if missing_tools():
+                install_packages()
+            c.start(a.prolog, a.epilog, a.mpi_default)
+            print(f"started {a.nodes} nodes in {c.root}\n"
+                  f"export SLURM_CONF={c.conf} UCX_TLS={JOB_ENV['UCX_TLS']}\n"
+                  f"shared directory (same path on every node): {c.shared}")
+            return 0
+        c.load()
+        if a.action == "stop":
+            left = c.stop(a.purge)
+            print("stopped" if not left else f"still alive: {' '.join(left)}")
+            return 1 if left else 0
+        if a.action == "status":
+            print(c.status())
+        elif a.action == "run":
+            r = c.run_on(int(a.rest[0]), a.rest[1:], check=False)
+            sys.stdout.write(r.stdout)
+            sys.stderr.write(r.stderr)
+            return r.returncode
+        elif a.action == "submit":
+            res = c.submit(a.rest[0], *a.rest[1:], timeout=a.timeout)
+            print(res)
+            return 0 if res.exit_code == 0 and res.state == "COMPLETED" else 1
+    except (ClusterError, FileNotFoundError, subprocess.CalledProcessError) as e:
+        print(f"minicluster: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
