@@ -6,5 +6,6 @@ if command -v fanstore-fuse >/dev/null 2>&1; then
   fanstore-fuse umount "$MNT" --timeout 10 || true
 fi
 grep -q " $MNT fuse" /proc/mounts && fusermount3 -u -z "$MNT" || true
-pkill -u "$SLURM_JOB_USER" -f "fanstore_fuse mount" || true
+# (lead) no pkill by pattern: on the one-host test cluster it SIGTERMs every fanstore daemon on the
+# machine, other jobs' and other users' too (issue 10). Cleanup by recorded pid only.
 rm -rf "/tmp/fanstore-local-$SLURM_JOB_ID" "$MNT"

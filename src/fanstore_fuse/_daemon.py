@@ -19,6 +19,7 @@ from ._blobstore import BlobStore
 from ._errors import FanstoreError
 from ._format import MANIFEST_NAME, read_manifest
 from ._fuse_ops import Operations
+from ._launch import world_error
 from ._mountctl import (
     MountState,
     check_mountpoint,
@@ -266,6 +267,10 @@ def serve(cfg: MountConfig) -> int:
         comm = MPI.COMM_WORLD
         comm.Set_errhandler(MPI.ERRORS_RETURN)
         rank, nranks = comm.Get_rank(), comm.Get_size()
+        if why := world_error(nranks):  # N one-rank file systems would serve, none shared
+            if os.environ.get("SLURM_PROCID") == "0":  # the launcher reads task 0's ready file
+                write_ready_file(cfg.ready_file, f"error: {why}")
+            return 1
     else:
         comm, rank, nranks = None, 0, 1
     m = _Mounted(for_rank(cfg.mountpoint, rank))
