@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import _harness
 import pytest
 from _harness import cli_env, diff_meta, expected_from_source, prep_cli, run_cli, snapshot
 
@@ -24,6 +26,7 @@ while [[ $# -gt 0 && "$1" == --* ]]; do
     --ntasks-per-node=1) per_node=1 ;;
     --ntasks=*) n="${1#--ntasks=}" ;;
     --nodes=*) ;;
+    --mpi=*) echo "mpi ${1#--mpi=}" >> "$SRUN_LOG" ;;
     *) echo "unexpected srun flag $1" >&2; exit 2 ;;
   esac
   shift
@@ -56,6 +59,7 @@ def test_mount_inside_a_slurm_job_uses_srun(src_tree, tmp_path, state_dir):
     try:
         run_cli("mount", dest, template, env=env, timeout=120)
         assert "--overlap" in log.read_text() and "--ntasks-per-node=1" in log.read_text()
+        assert "mpi pmi2" in log.read_text().splitlines()  # what the mpich wheel speaks
         for r in (0, 1):
             actual, _ = snapshot(template.replace("{rank}", str(r)))
             assert diff_meta(expected, actual) == []
@@ -63,3 +67,25 @@ def test_mount_inside_a_slurm_job_uses_srun(src_tree, tmp_path, state_dir):
         run_cli("umount", template, env=env, check=False, timeout=60)
     for r in (0, 1):
         assert not os.path.ismount(template.replace("{rank}", str(r)))
+
+
+@pytest.mark.timeout(120)
+def test_a_stalled_mpi_start_up_fails_clearly_instead_of_hanging(tmp_path, state_dir):
+    """An srun whose ranks never get through MPI start-up (a PMI or network problem): `mount`
+    gives up after FANSTORE_STARTUP_TIMEOUT, says so in one line, and leaves no launcher."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    shim = bindir / "srun"
+    shim.write_text("#!/bin/bash\necho $$ > \"$SRUN_PID\"\nexec sleep 600\n")
+    shim.chmod(0o755)
+    pidfile = tmp_path / "srun.pid"
+    env = cli_env(state_dir, PATH=f"{bindir}:{os.environ['PATH']}", SLURM_JOB_ID="4243",
+                  SLURM_JOB_NUM_NODES="3", SRUN_PID=str(pidfile), FANSTORE_STARTUP_TIMEOUT="3")
+    dest = prep_cli(_harness.build_tree(tmp_path / "src"), tmp_path / "dest")
+    t0 = time.monotonic()
+    r = run_cli("mount", dest, str(tmp_path / "mnt"), env=env, check=False, timeout=90)
+    assert r.returncode == 1, r
+    assert "MPI start-up of the ranks did not finish within 3 s (srun --overlap" in r.stderr
+    assert "--mpi=pmi2" in r.stderr
+    assert time.monotonic() - t0 < 60
+    assert _harness.wait_gone([int(pidfile.read_text())], 5), "the srun launcher was left running"

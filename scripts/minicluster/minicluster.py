@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """A real Slurm cluster on one machine: munged, slurmctld and N `slurmd -N nK`, each slurmd in its
-own UTS + mount namespace (hostname nK, a private /tmp bound from DIR/nodes/nK/tmp).
+own UTS + mount + PID namespace (hostname nK, a private /tmp bound from DIR/nodes/nK/tmp, its own
+process table: a prolog's `pkill` cannot reach another node).
 
     minicluster.py start  --dir DIR [--nodes 3] [--prolog P] [--epilog E] [--mpi-default none]
     minicluster.py status --dir DIR
@@ -31,11 +32,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from slurmconf import ConfSpec, node_names, pick_ports, render  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
 DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
-# What a job's MPI needs between namespaced "nodes" of one host: TCP, never shared memory.
-JOB_ENV = {"UCX_TLS": "tcp,self"}
+# MPI between the namespaced "nodes" of one host, for the mpich wheel: the OFI netmod over TCP.
+# Its address is one short PMI value; UCX's spans up to 9 values of ~1 KiB each, and Slurm
+# 22.05's PMI-1 server splits lines near 1 KiB ("mpi/pmi2: value not properly terminated"),
+# which fails or hangs MPI_Init at random. UCX, if chosen, must not try shared memory.
+JOB_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "UCX_TLS": "tcp,self"}
 
 
 class ClusterError(RuntimeError):
@@ -168,10 +173,14 @@ class Cluster:
 
     def _start_slurmd(self, k: int) -> None:
         name = f"n{k}"
-        inner = (f"hostname {name} && mount --bind {self.node_tmp(k)} /tmp && "
-                 f"exec slurmd -D -N {name} -f {self.conf}")
-        self._spawn(f"slurmd-{name}", ["unshare", "--uts", "--mount", "--propagation", "private",
-                                       "--", "/bin/sh", "-c", inner])
+        # Own PID namespace too (pid 1 reaps, /proc shows only the node's processes): a
+        # prolog's or epilog's `pkill` must not reach past its node, as on a real cluster.
+        outer = self._spawn(f"unshare-{name}", [
+            "unshare", "--uts", "--mount", "--pid", "--fork", "--mount-proc",
+            "--propagation", "private", "--", sys.executable, str(HERE / "nodeinit.py"), name,
+            str(self.node_tmp(k)), "slurmd", "-D", "-N", name, "-f", str(self.conf)])
+        self._wait(lambda: bool(_children(outer)), 20, f"{name}: unshare did not start slurmd")
+        self.pids[f"node-{name}"] = _children(outer)[0]
 
     def _wait_idle(self, timeout: float) -> None:
         def idle() -> bool:
@@ -195,11 +204,12 @@ class Cluster:
     def stop(self, purge: bool = False) -> list[str]:
         """Kill every process of every node namespace, then slurmctld and munged, by pid; remove
         spool, state and node directories (all of DIR with purge). Returns what was left alive."""
-        nodes = [n for n in self.pids if n.startswith("slurmd-")]
+        nodes = [n for n in self.pids if n.startswith("node-")]
         inside: set[int] = set()
         for n in nodes:
             inside |= set(self.ns_pids(self.pids[n]))
         _terminate(sorted(inside), 10.0)
+        _terminate([p for n, p in self.pids.items() if n.startswith("unshare-")], 10.0)
         for name in ("slurmctld", "munged"):
             if name in self.pids:
                 _terminate([self.pids[name]], 10.0)
@@ -216,11 +226,12 @@ class Cluster:
         return left
 
     # -- looking into nodes -----------------------------------------------------------------
-    def slurmd_pid(self, k: int) -> int:
-        return self.pids[f"slurmd-n{k}"]
+    def node_pid(self, k: int) -> int:
+        """Node k's pid 1 (as this host numbers it): an anchor for its namespaces."""
+        return self.pids[f"node-n{k}"]
 
     def ns_pids(self, anchor: int) -> list[int]:
-        """Every process in the mount namespace of `anchor` (a node's slurmd), anchor included."""
+        """Every process in the mount namespace of `anchor` (a node's pid 1), anchor included."""
         try:
             ns = os.readlink(f"/proc/{anchor}/ns/mnt")
         except OSError:
@@ -235,8 +246,8 @@ class Cluster:
 
     def run_on(self, k: int, cmd: list[str], timeout: float = 120.0,
                check: bool = True) -> subprocess.CompletedProcess[str]:
-        """Run `cmd` on node k: in its UTS and mount namespaces (its hostname, its /tmp)."""
-        full = ["nsenter", "-t", str(self.slurmd_pid(k)), "-u", "-m", "--", *cmd]
+        """Run `cmd` on node k: in its UTS, mount and PID namespaces (hostname, /tmp, processes)."""
+        full = ["nsenter", "-t", str(self.node_pid(k)), "-u", "-m", "-p", "--", *cmd]
         r = subprocess.run(full, env=self.env(), capture_output=True, text=True, timeout=timeout)
         if check and r.returncode != 0:
             raise ClusterError(f"on n{k}: {' '.join(cmd)} exited {r.returncode}: {r.stderr.strip()}")
@@ -244,13 +255,13 @@ class Cluster:
 
     def fuse_mounts(self, k: int) -> list[str]:
         """Mountpoints of FUSE file systems on node k."""
-        with open(f"/proc/{self.slurmd_pid(k)}/mounts") as f:
+        with open(f"/proc/{self.node_pid(k)}/mounts") as f:
             return [ln.split()[1] for ln in f if ln.split()[2].startswith("fuse")]
 
-    def procs(self, k: int, needle: str = "fanstore") -> list[tuple[int, str]]:
+    def procs(self, k: int, needle: str = "fanstore_fuse") -> list[tuple[int, str]]:
         """(pid, command line) of node k's processes whose command line contains `needle`."""
         out = []
-        for pid in self.ns_pids(self.slurmd_pid(k)):
+        for pid in self.ns_pids(self.node_pid(k)):
             with contextlib.suppress(OSError):
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
@@ -313,6 +324,14 @@ class Cluster:
         return "\n".join([*lines, r.stdout.strip() or r.stderr.strip()])
 
 
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -349,7 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--purge", action="store_true")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("rest", nargs="*")
-    a = ap.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    extra: list[str] = []
+    if "--" in argv:
+        argv, extra = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    a = ap.parse_intermixed_args(argv)
+    a.rest += extra
     c = Cluster(a.dir, a.nodes)
     try:
         if a.action == "start":
@@ -357,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
                 install_packages()
             c.start(a.prolog, a.epilog, a.mpi_default)
             print(f"started {a.nodes} nodes in {c.root}\n"
-                  f"export SLURM_CONF={c.conf} UCX_TLS={JOB_ENV['UCX_TLS']}\n"
+                  f"export SLURM_CONF={c.conf} "
+                  f"{' '.join(f'{k}={v}' for k, v in JOB_ENV.items())}\n"
                   f"shared directory (same path on every node): {c.shared}")
             return 0
         c.load()

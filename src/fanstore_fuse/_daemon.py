@@ -19,6 +19,7 @@ from ._blobstore import BlobStore
 from ._errors import FanstoreError
 from ._format import MANIFEST_NAME, read_manifest
 from ._fuse_ops import Operations
+from ._launch import world_error
 from ._mountctl import (
     MountState,
     check_mountpoint,
@@ -277,12 +278,17 @@ def communicator(cfg: MountConfig) -> tuple[Any, int, int]:
         comm = join(rv, lambda msg: _report_failure(cfg, f"error: {msg}"))
     else:
         comm = MPI.COMM_WORLD
+        if why := world_error(comm.Get_size()):  # N one-rank file systems would serve, none shared
+            raise FanstoreError(why)
     comm.Set_errhandler(MPI.ERRORS_RETURN)
     return comm, comm.Get_rank(), comm.Get_size()
 
 
 def _report_failure(cfg: MountConfig, msg: str) -> None:
-    write_ready_file(cfg.ready_file, msg)
+    """Every rank reports; the launcher reads the file where it waits (another node's state
+    dir may not exist, so a rank that cannot write there says nothing)."""
+    with contextlib.suppress(OSError):
+        write_ready_file(cfg.ready_file, msg)
     notify(cfg.ready_fd, msg)
 
 

@@ -78,12 +78,30 @@ def _tail(path: str) -> str:
         return "(no log)"
 
 
+def srun_mpi_plugin() -> str:
+    """srun's --mpi plugin: FANSTORE_SRUN_MPI, else the user's SLURM_MPI_TYPE, else pmi2 (what
+    the mpich wheel speaks; with Slurm's default `none` every task is a world of one)."""
+    chosen = os.environ.get("SLURM_MPI_TYPE", "")
+    return os.environ.get("FANSTORE_SRUN_MPI") or (chosen if chosen != "none" else "") or "pmi2"
+
+
+def world_error(nranks: int) -> str:
+    """Inside an srun step: an MPI world smaller than the step means the ranks never met."""
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
+    if not os.environ.get("SLURM_STEP_ID") or not tasks.isdigit() or int(tasks) <= nranks:
+        return ""
+    return (f"MPI sees a world of {nranks} rank(s) but srun started {tasks} tasks: srun's --mpi "
+            "plugin does not match the MPI library (the mpich wheel needs pmi2, the default; "
+            "FANSTORE_SRUN_MPI sets another)")
+
+
 def launcher_command(ranks: int | None, joined: bool = False) -> list[str]:
     """`mpiexec -n N` from the mpich wheel for local ranks; `srun` inside a SLURM job; with
     `joined`, `mpiexec -n 1` on this node only (one daemon per node, see `_rendezvous`)."""
     if ranks is None and not joined and os.environ.get("SLURM_JOB_ID"):
         nodes = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or "1"
-        return ["srun", "--overlap", "--ntasks-per-node=1", f"--nodes={nodes}", f"--ntasks={nodes}"]
+        return ["srun", "--overlap", "--ntasks-per-node=1", f"--nodes={nodes}", f"--ntasks={nodes}",
+                f"--mpi={srun_mpi_plugin()}"]
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     if not os.path.exists(mpiexec):
         mpiexec = shutil.which("mpiexec") or "mpiexec"
@@ -112,8 +130,12 @@ def start_ranks(argv: list[str], template: str, ranks: int | None, timeout: floa
     with open(logp, "ab") as logf:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
                                 start_new_session=True, close_fds=True)
-    deadline = time.monotonic() + timeout
-    line = summary = ""
+    started = time.monotonic()
+    deadline = started + timeout
+    # Rank 0 writes the progress file once MPI start-up is done (every rank met): a start-up
+    # that stalls (a PMI or network problem) fails after `startup` s, not after `timeout`.
+    startup = min(timeout, float(os.environ.get("FANSTORE_STARTUP_TIMEOUT", "120")))
+    line = summary = stalled = ""
     with _StageBar(progress) as bar:
         while time.monotonic() < deadline:
             if os.path.exists(ready):
@@ -123,6 +145,10 @@ def start_ranks(argv: list[str], template: str, ranks: int | None, timeout: floa
                 if line:
                     break
             if proc.poll() is not None:
+                break
+            if time.monotonic() - started > startup and not os.path.exists(progress):
+                stalled = (f"MPI start-up of the ranks did not finish within {startup:.0f} s "
+                           f"({' '.join(cmd[:cmd.index(sys.executable)])})")
                 break
             bar.update()
             time.sleep(0.05)
@@ -137,6 +163,8 @@ def start_ranks(argv: list[str], template: str, ranks: int | None, timeout: floa
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+        if stalled:
+            raise FanstoreError(f"{stalled}; see {logp}")
         if not line:
             why = "timed out" if proc.returncode is None else f"exited with code {proc.returncode}"
             raise FanstoreError(f"ranks {why} before the mount was ready: {_tail(logp)}")
@@ -144,7 +172,9 @@ def start_ranks(argv: list[str], template: str, ranks: int | None, timeout: floa
     st = find_state(template)
     if st is None:
         raise FanstoreError("ranks reported ready but left no state file")
-    st.launcher_pid = proc.pid
+    # umount stops mpiexec after the local ranks. Not srun: every node's umount stops its own
+    # daemon, and srun ends by itself; stopping it would kill daemons still unmounting elsewhere.
+    st.launcher_pid = 0 if cmd[0] == "srun" else proc.pid
     st.log = logp
     st.save()
     if summary:

@@ -58,7 +58,7 @@ def start_cluster(nodes: int = 3, **kw) -> Iterator[Cluster]:
     why = _why_not()
     if why:
         pytest.skip(why)
-    root = tempfile.mkdtemp(prefix="fanstore-mc-", dir="/var/tmp")
+    root = tempfile.mkdtemp(prefix="slurm-mc-", dir="/var/tmp")
     c = Cluster(root, nodes)
     try:
         c.start(**kw)

@@ -1,0 +1,44 @@
+"""pid 1 of a test node (fresh UTS, mount and PID namespaces):
+
+    nodeinit.py NAME TMPDIR CMD...
+
+sets the hostname to NAME, detaches the FUSE mounts copied from the host, binds TMPDIR on /tmp,
+then runs CMD (slurmd), reaps every orphan (slurmstepd and the tasks it leaves), passes
+SIGTERM/SIGINT/SIGHUP on, and exits with CMD's status."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+
+def drop_inherited_fuse_mounts() -> None:
+    """The new mount namespace copied the host's FUSE mounts (other users' live mounts): detach
+    the copies here, so that a node starts with none and holds no one else's mount open."""
+    with open("/proc/self/mounts") as f:
+        points = [ln.split()[1] for ln in f if ln.split()[2].startswith("fuse.")
+                  or ln.split()[2] == "fuse"]
+    for p in reversed(points):
+        raw = p.encode().decode("unicode_escape").encode("latin-1")  # undo \\040 and friends
+        subprocess.run([b"umount", b"-l", raw], stderr=subprocess.DEVNULL, check=False)
+
+
+name, tmpdir, cmd = sys.argv[1], sys.argv[2], sys.argv[3:]
+socket.sethostname(name)
+drop_inherited_fuse_mounts()
+subprocess.run(["mount", "--bind", tmpdir, "/tmp"], check=True)
+child = os.fork()
+if child == 0:
+    os.execvp(cmd[0], cmd)
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(sig, lambda s, _f: os.kill(child, s))
+while True:
+    try:
+        pid, status = os.wait()
+    except ChildProcessError:
+        sys.exit(0)
+    except InterruptedError:
+        continue
+    if pid == child:
+        sys.exit(os.waitstatus_to_exitcode(status) & 0xFF)

@@ -1,0 +1,76 @@
+"""Job-script mode on a real 3-node Slurm cluster: scripts/slurm/job.sbatch as shipped, with
+`fanstore-fuse mount` inside the job (srun --mpi=pmi2), a byte-for-byte check on every node,
+`status`, umount on every node, and nothing left behind on any node."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from _harness import build_tree, prep_cli
+from conftest import REPO, job_env
+
+pytestmark = [pytest.mark.slurm, pytest.mark.mount, pytest.mark.mpi]
+
+JOB = REPO / "scripts" / "slurm" / "job.sbatch"
+CHECK = Path(__file__).resolve().parent / "_check_tree.py"
+
+
+def _dataset(shared_dir: Path) -> tuple[Path, Path]:
+    src = build_tree(shared_dir / "src")
+    dest = prep_cli(src, shared_dir / "dest", "--chunk-mib", "1", "-p", "3")
+    return src, dest
+
+
+def _nothing_left(c, job: int) -> None:
+    """No FUSE mount, no fanstore process, no local copy or mount state on any node."""
+    for k in range(c.nodes):
+        assert c.fuse_mounts(k) == [], f"n{k}: FUSE mounts left"
+        for needle in ("fanstore_fuse", "fanstore-fuse"):
+            assert c.procs(k, needle) == [], f"n{k}: fanstore processes left"
+        left = [e for e in c.local_entries(k) if e != "fanstore-fuse-0"]
+        assert left == [], f"n{k}: left in /tmp after job {job}: {left}"
+        state = c.node_tmp(k) / "fanstore-fuse-0"
+        stale = [p.name for p in state.iterdir() if not p.name.endswith(".log")] \
+            if state.exists() else []
+        assert stale == [], f"n{k}: mount state left: {stale}"
+
+
+@pytest.mark.timeout(300)
+def test_job_script_mounts_on_every_node_and_leaves_nothing(slurm_cluster, shared_dir):
+    c = slurm_cluster
+    src, dest = _dataset(shared_dir)
+    train = f"{sys.executable} {CHECK} {src}"
+    res = c.submit(JOB, f"--nodes={c.nodes}", f"--chdir={shared_dir}",
+                   f"--export=ALL,DATASET={dest},TRAIN={train}", env=job_env(c), timeout=240)
+    print(res)
+    assert (res.state, res.exit_code) == ("COMPLETED", 0), str(res)
+    assert f"mounted {dest} on {c.nodes} rank(s)" in res.output
+    for k in range(c.nodes):
+        assert f"n{k}: " in res.output and "entries identical to the source" in res.output
+    identical = [ln for ln in res.output.splitlines() if "entries identical" in ln]
+    assert sorted(ln.split(":")[0] for ln in identical) == [f"n{k}" for k in range(c.nodes)]
+    status = json.loads((shared_dir / f"fanstore-status-{res.job_id}.json").read_text())
+    assert sorted(r["rank"] for r in status["ranks"]) == list(range(c.nodes))
+    assert res.output.count("unmounted: /tmp/fanstore-") == c.nodes
+    _nothing_left(c, res.job_id)
+
+
+@pytest.mark.timeout(180)
+def test_ranks_that_do_not_meet_fail_with_one_clear_line(slurm_cluster, shared_dir):
+    """srun --mpi=none with the mpich wheel: every task is a world of one. `mount` must say so
+    and mount nothing, not start three one-rank file systems."""
+    c = slurm_cluster
+    _, dest = _dataset(shared_dir)
+    res = c.submit(JOB, f"--nodes={c.nodes}", f"--chdir={shared_dir}",
+                   f"--export=ALL,DATASET={dest},TRAIN=true", env=job_env(c, FANSTORE_SRUN_MPI="none"),
+                   timeout=150)
+    print(res)
+    assert res.state == "FAILED", str(res)
+    errors = [ln for ln in res.output.splitlines() if ln.startswith("fanstore-fuse: ")]
+    assert len(errors) == 1, res.output
+    assert f"MPI sees a world of 1 rank(s) but srun started {c.nodes} tasks" in errors[0]
+    assert "mounted" not in res.output.replace("unmounted", "")
+    _nothing_left(c, res.job_id)
