@@ -38,7 +38,7 @@ def site(slurm_cluster, shared_dir):
         f"FANSTORE_RENDEZVOUS_DIR={shared_dir}\n"
         f"FANSTORE_JOB_DIR={jobs}\n"
         "FANSTORE_PROLOG_TIMEOUT=120\n"
-        "UCX_TLS=tcp,self\n"
+        "MPIR_CVAR_CH4_NETMOD=ofi\nFI_PROVIDER=tcp\nUCX_TLS=tcp,self\n"
     )
     yield jobs
     env_file.unlink()

@@ -1,0 +1,147 @@
+"""Daemons started independently, one `mpiexec -n 1` each, join one ordered communicator
+(`_rendezvous`), on one host: the join itself, its time-out, and the mounts built on it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from _harness import cli_env, prep_cli, run_cli
+
+from fanstore_fuse._launch import launcher_command
+from fanstore_fuse._rendezvous import Rendezvous, node_index
+from fanstore_fuse._slurmjob import expand_nodelist, parse_request
+
+# MPI between daemons of separate mpiexec runs: MPICH's OFI netmod over TCP (with UCX, the
+# survivors of a peer's SIGKILL were ended; see docs/reliability.md).
+MPI_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
+
+JOIN = """
+import sys, time
+from mpi4py import rc
+rc.thread_level = "multiple"
+from mpi4py import MPI
+from fanstore_fuse._rendezvous import Rendezvous, join
+i, n, d, t = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+time.sleep(0.2 * (n - i))  # arrive in reverse order: ranks must still follow the node index
+comm = join(Rendezvous(d, i, n, t), lambda msg: print("TIMEOUT", msg, flush=True))
+print("JOINED", comm.Get_rank(), comm.Get_size(), comm.allgather(i), flush=True)
+"""
+
+
+def _start(i: int, n: int, d: Path, timeout: float) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [*launcher_command(1, joined=True), sys.executable, "-c", JOIN, str(i), str(n), str(d),
+         str(timeout)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env=dict(os.environ, **MPI_ENV))
+
+
+def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str]]:
+    out = []
+    try:
+        for p in procs:
+            text, _ = p.communicate(timeout=timeout)
+            out.append((p.returncode, text))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    return out
+
+
+def test_request_parsing_and_node_order():
+    assert parse_request("train fanstore:/d,stage_out=/o,replicas=2,read_only x") == {
+        "dest": "/d", "stage_out": "/o", "replicas": "2", "read_only": "1"}
+    assert parse_request("no request here") is None
+    for bad, why in (("fanstore:/d,colour=red", "unknown option"), ("fanstore:rel", "absolute"),
+                     ("fanstore:/d,stage_out", "key=value")):
+        with pytest.raises(Exception, match=why):
+            parse_request(bad)
+    assert expand_nodelist("n[0-2],gpu07,x[08-10]") == [
+        "n0", "n1", "n2", "gpu07", "x08", "x09", "x10"]
+    assert node_index(["n0", "n1", "n2"], "n2") == 2
+    with pytest.raises(Exception, match="not in the job's node list"):
+        node_index(["n0"], "n5")
+    with pytest.raises(Exception, match="node index 3"):
+        Rendezvous("/", 3, 3).check()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_three_independent_mpiexec_join_in_node_order(tmp_path):
+    procs = [_start(i, 3, tmp_path, 60) for i in (2, 1, 0)]
+    results = _finish(procs, 90)
+    lines = sorted(t.strip().splitlines()[-1] for _, t in results)
+    assert all(code == 0 for code, _ in results), results
+    assert lines == [f"JOINED {i} 3 [0, 1, 2]" for i in range(3)], results
+    assert sorted(os.listdir(tmp_path)) == ["arrived-0", "arrived-1", "arrived-2"]  # port gone
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_a_node_that_never_arrives_times_out_everyone_with_its_index(tmp_path):
+    t0 = time.monotonic()
+    results = _finish([_start(i, 3, tmp_path, 4) for i in (0, 1)], 90)
+    took = time.monotonic() - t0
+    for code, text in results:
+        assert code != 0, text
+        assert "TIMEOUT rendezvous" in text and "node(s) 2 never arrived" in text, text
+        assert "JOINED" not in text
+    assert took < 60, f"gave up after {took:.0f} s"
+
+
+def _join_mount(dest: Path, mnt: Path, rv: Path, i: int, env: dict[str, str], *extra: str):
+    return subprocess.Popen(
+        [sys.executable, "-m", "fanstore_fuse", "mount", str(dest), str(mnt), "--join", str(rv),
+         "--node-index", str(i), "--nodes", "3", "--timeout", "120", *extra],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.mount
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_joined_mounts_serve_and_stage_out_every_node_from_one(src_tree, tmp_path, state_dir):
+    env = cli_env(state_dir, COLUMNS="400", **MPI_ENV)
+    dest = prep_cli(src_tree, tmp_path / "dest", "--chunk-mib", "1")
+    rv = tmp_path / "rv"
+    rv.mkdir()
+    mnts = [tmp_path / f"node{i}" for i in range(3)]
+    for m in mnts:
+        m.mkdir()
+    out, saved = tmp_path / "out", tmp_path / "saved"
+    try:
+        procs = [_join_mount(dest, mnts[i], rv, i, env, "--stage-out", str(saved))
+                 for i in (2, 0, 1)]
+        for p in procs:
+            text, _ = p.communicate(timeout=150)
+            assert p.returncode == 0, text
+        for i, m in enumerate(mnts):
+            r = subprocess.run(["diff", "-r", "--no-dereference", str(src_tree / "classes"),
+                                str(m / "classes")], capture_output=True, text=True)
+            assert r.returncode == 0, r.stdout
+            (m / f"written-{i}.txt").write_bytes(f"node {i}\n".encode() * (1000 * (i + 1)))
+        st = json.loads(run_cli("status", mnts[1], "--json", env=env).stdout)
+        assert [r["rank"] for r in st["ranks"]] == [0, 1, 2]
+        assert all(r["stats"]["remote_reads"] > 0 and r["host"] for r in st["ranks"]), st
+        # From node 1: every node's written files, node 1 unmounted, the others still serving.
+        r = run_cli("umount", mnts[1], "--stage-out", out, env=env)
+        assert "rank 0 on" in r.stderr and "rank 2 on" in r.stderr, r.stderr
+        for i in range(3):
+            want = f"node {i}\n".encode() * (1000 * (i + 1))
+            assert (out / f"written-{i}.txt").read_bytes() == want
+        assert not os.path.ismount(mnts[1])
+        assert (mnts[0] / "written-0.txt").read_bytes() == b"node 0\n" * 1000
+    finally:
+        for m in mnts:
+            run_cli("umount", m, env=env, check=False, timeout=60)
+    # Without --stage-out, umount used the directory recorded at mount time.
+    assert (saved / "written-0.txt").exists() and (saved / "written-2.txt").exists()
+    for m in mnts:
+        assert not os.path.ismount(m)
