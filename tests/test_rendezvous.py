@@ -145,3 +145,47 @@ def test_joined_mounts_serve_and_stage_out_every_node_from_one(src_tree, tmp_pat
     assert (saved / "written-0.txt").exists() and (saved / "written-2.txt").exists()
     for m in mnts:
         assert not os.path.ismount(m)
+
+
+@pytest.mark.mount
+@pytest.mark.mpi
+@pytest.mark.fault
+@pytest.mark.timeout(300)
+def test_sigkill_of_one_joined_daemon_leaves_the_others_serving(src_tree, tmp_path, state_dir):
+    """Separate fault domains: node 1's daemon is SIGKILLed while nodes 0 and 2 read; they keep
+    serving correct bytes (replicas, then DEST) and unmount cleanly; node 1's mount is cleared."""
+    from fanstore_fuse._mountctl import find_state
+
+    env = cli_env(state_dir, COLUMNS="400", **MPI_ENV)
+    dest = prep_cli(src_tree, tmp_path / "dest", "--chunk-mib", "1", "--partitions", "6")
+    rv = tmp_path / "rv"
+    rv.mkdir()
+    mnts = [tmp_path / f"node{i}" for i in range(3)]
+    for m in mnts:
+        m.mkdir()
+    tool = Path(__file__).resolve().parent / "cluster" / "_jobtool.py"
+    try:
+        procs = [_join_mount(dest, mnts[i], rv, i, env, "--replicas", "2", "--peer-timeout", "2")
+                 for i in range(3)]
+        for p in procs:
+            text, _ = p.communicate(timeout=150)
+            assert p.returncode == 0, text
+        st = find_state(str(mnts[1]))
+        assert st is not None
+        readers = [subprocess.Popen([sys.executable, str(tool), "readloop", str(src_tree), str(m), "4"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                   for m in (mnts[0], mnts[2])]
+        time.sleep(0.5)
+        os.kill(st.pids[0], 9)
+        for r in readers:
+            out, _ = r.communicate(timeout=120)
+            assert r.returncode == 0 and "errors: none" in out, out
+        for i in (0, 2):
+            assert os.stat(mnts[i]).st_ino == 1, f"node {i} stopped serving"
+    finally:
+        results = [run_cli("umount", m, env=env, check=False, timeout=60) for m in mnts]
+    assert results[0].returncode == 0 and "unmounted" in results[0].stderr, results[0].stderr
+    assert results[2].returncode == 0 and "unmounted" in results[2].stderr, results[2].stderr
+    assert "cleaned stale mount" in results[1].stderr, results[1].stderr
+    for m in mnts:
+        assert not os.path.ismount(m)

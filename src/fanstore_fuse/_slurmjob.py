@@ -215,8 +215,12 @@ def run_as_user(plan: JobPlan, verb: str, timeout: float) -> subprocess.Complete
     if os.geteuid() == 0 and plan.uid != 0:
         kw = {"user": plan.uid, "group": plan.gid,
               "extra_groups": os.getgrouplist(plan.user, plan.gid)}
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL, cwd="/", **kw)  # type: ignore[call-overload]
+    try:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL, cwd="/", **kw)  # type: ignore[call-overload]
+    except PermissionError as e:
+        raise FanstoreError(f"cannot run {sys.executable} as {plan.user} ({e.strerror}): install "
+                            "fanstore-fuse where job users can run it") from None
 
 
 def _home(uid: int) -> str:

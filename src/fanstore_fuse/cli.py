@@ -440,6 +440,8 @@ def _as_job_user(p, verb: str, timeout: float):
         return sj.run_as_user(p, verb, timeout)
     except subprocess.TimeoutExpired:
         return None
+    except FanstoreError as e:
+        return subprocess.CompletedProcess([], 1, "", str(e))
 
 
 def main() -> None:  # pragma: no cover
