@@ -33,7 +33,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -x -m "not mpi and not fault"
+	$(PY) -m pytest -q -x -m "not mpi and not fault and not slurm"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench scripts

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from _harness import build_tree, prep_cli
-from conftest import REPO, job_env
+from _slurm import REPO, job_env
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mount, pytest.mark.mpi]
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import job_env
+from _slurm import job_env
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(180)]
 
