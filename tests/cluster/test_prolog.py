@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import job_env
+from _slurm import job_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -59,8 +59,14 @@ def _job_log(jobs: Path, job: int) -> str:
     return p.read_text() if p.exists() else "(no prolog/epilog log)"
 
 
-def _submit(c, script: Path, *args: str, timeout: float = 300.0):
-    res = c.submit(script, *args, timeout=timeout, env=job_env(c))
+def _run_job(c, script: Path, jobs: Path, timeout: float = 300.0):
+    """Submit, wait, print what the job and the prolog/epilog said; assert it completed."""
+    t0 = time.monotonic()
+    res = c.submit(script, timeout=timeout, env=job_env(c))
+    log = _job_log(jobs, res.job_id)
+    print(f"job {res.job_id} ({time.monotonic() - t0:.1f} s): {res.state} exit {res.exit_code}\n"
+          f"{res.output}\n{log}")
+    assert res.state == "COMPLETED" and res.exit_code == 0, f"{res}\n{log}"
     return res
 
 
@@ -103,12 +109,7 @@ big='$([[ $(hostname) == n1 ]] && echo 100 || echo 0)'
 srun -N3 --ntasks-per-node=1 bash -c "python {TOOL} write $MNT $big"
 srun -N3 --ntasks-per-node=1 bash -c 'ls '$MNT' | grep -c ^out- | sed "s/^/$(hostname) sees out dirs: /"'
 """)
-    t0 = time.monotonic()
-    res = _submit(c, script)
-    took = time.monotonic() - t0
-    log = _job_log(site, res.job_id)
-    print(f"job {res.job_id} ({took:.1f} s): {res.state} exit {res.exit_code}\n{res.output}\n{log}")
-    assert res.state == "COMPLETED" and res.exit_code == 0, f"{res}\n{log}"
+    res = _run_job(c, script, site)
     for h in NODES:
         assert f"{h}: " in res.output and "entries identical to the source" in res.output
         assert f"{h} sees out dirs: 3" in res.output
@@ -150,12 +151,7 @@ wait $readers
 echo "readers done"
 srun -N1 -w n1 fanstore-fuse recover /tmp/fanstore-local-$SLURM_JOB_ID --stage-out {rescued}
 """)
-    t0 = time.monotonic()
-    res = _submit(c, script)
-    took = time.monotonic() - t0
-    log = _job_log(site, res.job_id)
-    print(f"job {res.job_id} ({took:.1f} s): {res.state} exit {res.exit_code}\n{res.output}\n{log}")
-    assert res.state == "COMPLETED" and res.exit_code == 0, f"{res}\n{log}"
+    res = _run_job(c, script, site)
     assert "killed daemon" in res.output and "readers done" in res.output
     assert "WRONG BYTES" not in res.output
     readers = [ln for ln in res.output.splitlines() if "file reads in" in ln]
@@ -204,8 +200,7 @@ python {TOOL} compare {src} /tmp/fanstore-$SLURM_JOB_ID
                             str(long_job)], env=env, capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         long_id = int(r.stdout.strip().split(";")[0])
-        short = _submit(c, short_job, timeout=180)
-        assert short.state == "COMPLETED" and short.exit_code == 0, short
+        short = _run_job(c, short_job, site, timeout=180)
         go.touch()  # the short job's epilog is done: now the long job reads its whole mount
         long = c.wait(long_id, 180)
         print(f"short job {short.job_id}: {short.output.strip()}\nlong job {long_id}: "
