@@ -346,17 +346,18 @@ def _remove_launch_log(mountpoint: str, into: list[str] | None) -> None:
 
 
 def script_mode_plan(env: dict[str, str]) -> JobPlan | None:
-    """A job-script mode mount at the conventional path (`scripts/slurm/job.sbatch`) that the
-    job left behind (cancelled, time limit): the epilog's backstop unmounts it as the user."""
+    """A job-script mode mount at the conventional paths (`scripts/slurm/job.sbatch`) that the
+    job left behind (cancelled, time limit), or its empty mountpoint and local dir: the epilog's
+    backstop unmounts and removes them as the job user (a local dir with written files stays)."""
     from ._mountctl import is_mounted
 
     job = env.get("SLURM_JOB_ID", "")
     mp = os.path.join(env.get("FANSTORE_MOUNT_BASE", "/tmp"), f"fanstore-{job}")
-    if not job or not is_mounted(mp):
+    local = os.path.join(env.get("FANSTORE_LOCAL_BASE", "/tmp"), f"fanstore-local-{job}")
+    if not job or not (is_mounted(mp) or os.path.isdir(mp) or os.path.isdir(local)):
         return None
     uid = int(env.get("SLURM_JOB_UID", "0"))
     user = env.get("SLURM_JOB_USER") or pwd.getpwuid(uid).pw_name
-    local = os.path.join(env.get("FANSTORE_LOCAL_BASE", "/tmp"), f"fanstore-local-{job}")
     return JobPlan(job, user, uid, int(env.get("SLURM_JOB_GID", "0")), "", mp, local, "", -1, 0,
                    state_dir=f"/tmp/fanstore-fuse-{uid}", node=env.get("SLURMD_NODENAME", ""))
 
