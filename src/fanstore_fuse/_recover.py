@@ -14,10 +14,33 @@ import shutil
 
 from ._errors import FanstoreError
 from ._mountctl import LOCAL_MARKER, _is_ours, pid_alive
+from ._safepath import Escape, open_beneath
 from ._stageout import StageFailure, StageOutSummary, stage_out
 from ._writes import JOURNAL_NAME, WriteStore
 
 UNCLOSED_DIR = ".fanstore-unclosed"
+
+
+def _salvage(src: str, out_dir: str, rel: str) -> None:
+    """Copy `src` (unverified) to OUT/rel, resolved beneath OUT (no symlink followed)."""
+    parent, _, name = rel.rpartition("/")
+    root = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        dfd = open_beneath(root, parent, create=True, shown=out_dir)
+    finally:
+        os.close(root)
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600, dir_fd=dfd)
+        try:
+            with os.fdopen(fd, "wb") as fout, open(src, "rb") as fin:
+                shutil.copyfileobj(fin, fout)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dfd)
+            raise
+    finally:
+        os.close(dfd)
 
 
 def owner_pid(local_dir: str) -> int:
@@ -60,14 +83,12 @@ def recover(
         summary = stage_out([store], out_dir, workers, verify_dest, unclosed_is_failure=False)
         if salvage_unclosed:
             for u in summary.unclosed:
-                dest = os.path.join(out_dir, UNCLOSED_DIR, u.path)
                 try:
-                    os.makedirs(os.path.dirname(dest), exist_ok=True)
-                    shutil.copyfile(u.local, dest)
+                    _salvage(u.local, out_dir, f"{UNCLOSED_DIR}/{u.path}")
+                except Escape as e:
+                    summary.failures.append(StageFailure(u.path, f"salvage: {e}", u.local))
                 except OSError as e:
                     summary.failures.append(StageFailure(u.path, f"salvage: {e.strerror}", u.local))
-                    with contextlib.suppress(OSError):
-                        os.unlink(dest)
     finally:
         store.close_store()
     return summary
