@@ -14,7 +14,7 @@ import shutil
 
 from ._errors import FanstoreError
 from ._mountctl import LOCAL_MARKER, _is_ours, pid_alive
-from ._safepath import Escape, open_beneath
+from ._safepath import Escape, dir_beneath
 from ._stageout import StageFailure, StageOutSummary, stage_out
 from ._writes import JOURNAL_NAME, WriteStore
 
@@ -24,23 +24,16 @@ UNCLOSED_DIR = ".fanstore-unclosed"
 def _salvage(src: str, out_dir: str, rel: str) -> None:
     """Copy `src` (unverified) to OUT/rel, resolved beneath OUT (no symlink followed)."""
     parent, _, name = rel.rpartition("/")
-    root = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        dfd = open_beneath(root, parent, create=True, shown=out_dir)
-    finally:
-        os.close(root)
-    try:
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600, dir_fd=dfd)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+    with dir_beneath(out_dir, parent) as dfd:
         try:
-            with os.fdopen(fd, "wb") as fout, open(src, "rb") as fin:
+            with os.fdopen(os.open(name, flags, 0o600, dir_fd=dfd), "wb") as fout, \
+                    open(src, "rb") as fin:
                 shutil.copyfileobj(fin, fout)
-        except BaseException:
+        except OSError:
             with contextlib.suppress(OSError):
                 os.unlink(name, dir_fd=dfd)
             raise
-    finally:
-        os.close(dfd)
 
 
 def owner_pid(local_dir: str) -> int:

@@ -15,7 +15,8 @@ import contextlib
 import errno
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import NoReturn
 
 from ._errors import FanstoreError
 
@@ -136,10 +137,16 @@ def _open_dir_at(dirfd: int, rel: str) -> int:
             if e.errno not in (errno.ENOSYS, errno.EPERM):  # EPERM: a seccomp filter
                 raise
             _openat2_state[0] = None
+    return _walk(dirfd, rel.split("/"),
+                 lambda fd, _i, comp: os.open(comp, flags | os.O_NOFOLLOW, dir_fd=fd))
+
+
+def _walk(dirfd: int, comps: list[str], step: Callable[[int, int, str], int]) -> int:
+    """Descend from `dirfd` through `comps`; `step(fd, i, comp)` opens the next one."""
     fd = os.dup(dirfd)
     try:
-        for comp in rel.split("/"):
-            nfd = os.open(comp, flags | os.O_NOFOLLOW, dir_fd=fd)
+        for i, comp in enumerate(comps):
+            nfd = step(fd, i, comp)
             os.close(fd)
             fd = nfd
     except BaseException:
@@ -161,24 +168,33 @@ def open_beneath(root_fd: int, rel: str, create: bool = False, shown: str = "DIR
     except OSError as e:
         if not (create and e.errno == errno.ENOENT):
             _refuse(root_fd, comps, shown, e)
-    fd = os.dup(root_fd)
+
+    def make(fd: int, i: int, comp: str) -> int:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(comp, 0o777, dir_fd=fd)
+        try:
+            return _open_dir_at(fd, comp)
+        except OSError as e:
+            _refuse(root_fd, comps[: i + 1], shown, e)
+
+    return _walk(root_fd, comps, make)
+
+
+@contextlib.contextmanager
+def dir_beneath(top: str, rel: str) -> Iterator[int]:
+    """`open_beneath(top, rel, create=True)` as a context: the directory fd, closed after."""
+    root = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        for i, comp in enumerate(comps):
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(comp, 0o777, dir_fd=fd)
-            try:
-                nfd = _open_dir_at(fd, comp)
-            except OSError as e:
-                _refuse(root_fd, comps[: i + 1], shown, e)
-            os.close(fd)
-            fd = nfd
-    except BaseException:
+        fd = open_beneath(root, rel, create=True, shown=top)
+    finally:
+        os.close(root)
+    try:
+        yield fd
+    finally:
         os.close(fd)
-        raise
-    return fd
 
 
-def _refuse(root_fd: int, comps: list[str], shown: str, e: OSError) -> None:
+def _refuse(root_fd: int, comps: list[str], shown: str, e: OSError) -> NoReturn:
     """Raise Escape naming the first symlink among `comps`, else re-raise `e`."""
     for i in range(len(comps)):
         rel = "/".join(comps[: i + 1])
