@@ -183,7 +183,10 @@ def open_up(dest: str, names: Iterable[str], mode: int | None, group: int | None
             fmode, dmode = fmode & 0o700, dmode & 0o700
     for p in paths:
         os.chmod(p, fmode, follow_symlinks=False)
-    os.chmod(dest, dmode)
+    try:
+        os.chmod(dest, dmode)
+    except PermissionError:  # a directory someone else made for us: its files are ours
+        log.warning("%s is not yours: its mode stays %04o", dest, stat.S_IMODE(os.stat(dest).st_mode))
     st = os.stat(dest)
     applied = grants(fmode, st.st_gid, 0o4)
     with contextlib.suppress(OSError):  # a file system without user xattrs: verify falls back
