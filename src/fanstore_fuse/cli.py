@@ -77,7 +77,7 @@ def prep(
     t0 = time.perf_counter()
     try:
         opts = PrepOptions(partitions, codec, level, chunk_mib << 20, list(broadcast), workers,
-                           parse_mode(mode), group)
+                           mode=parse_mode(mode), group=group)
         with _progress(quiet) as prog:
             task = prog.add_task("prep", total=None)
 
