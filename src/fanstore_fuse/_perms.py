@@ -37,6 +37,7 @@ ACCESS_MAGIC = "fanstore-access"
 ACCESS_VERSION = 1
 _FILE_MODES = {OWNER: 0o600, GROUP: 0o640, OTHERS: 0o644}
 _DIR_MODES = {OWNER: 0o700, GROUP: 0o750, OTHERS: 0o755}
+_FIX = {OWNER: "go-rwx", GROUP: "o-rwx", OTHERS: "g-w,o-w"}  # what takes DEST back
 _DATA = re.compile(r"(part|bcast)-\d{5}\.fsp")
 
 
@@ -209,8 +210,8 @@ def widened(dest: str, names: Iterable[str], allowed: Access) -> str | None:
             if reach.wider_than(allowed):
                 return (f"{dest} is readable by {reach.describe()} ({n} is "
                         f"{stat.S_IMODE(st.st_mode):04o}) but its source was readable by "
-                        f"{allowed.describe()}: `chmod -R go-rwx {dest}` (or prep with "
-                        "--mode/--group to share on purpose)")
+                        f"{allowed.describe()}: `chmod -R {_FIX[allowed.level]} {dest}` (or "
+                        "prep with --mode/--group to share on purpose)")
     except OSError:
         return None  # missing files are verify's and mount's to report
     return None
