@@ -86,13 +86,15 @@ def _user_cli() -> tuple[list[str], str]:
 USER_CLI, USER_PYTHONPATH = _user_cli()
 
 
+def _setpriv(u: User) -> list[str]:
+    return ["setpriv", f"--reuid={u.uid}", f"--regid={u.gid}", "--clear-groups", "--"]
+
+
 def as_user(u: User, *cmd: str | os.PathLike[str], env: dict[str, str] | None = None,
             timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        ["setpriv", f"--reuid={u.uid}", f"--regid={u.gid}", "--clear-groups", "--",
-         *(os.fspath(c) for c in cmd)],
-        env=env, capture_output=True, text=True, errors="replace", timeout=timeout,
-        stdin=subprocess.DEVNULL,
+        [*_setpriv(u), *(os.fspath(c) for c in cmd)], env=env, capture_output=True, text=True,
+        errors="replace", timeout=timeout, stdin=subprocess.DEVNULL,
     )
 
 
@@ -365,9 +367,8 @@ def _in_namespace(u: User, binds: dict[str, Path], argv: list[str], env: dict[st
     """Run the CLI as `u` in a private mount namespace where each key of `binds` (/dev/fuse,
     /etc/fuse.conf) is replaced by a bind mount; `then` runs after it, as `u`, same namespace."""
     mounts = " && ".join(f"mount --bind {src} {dst}" for dst, src in binds.items())
-    user = f"setpriv --reuid={u.uid} --regid={u.gid} --clear-groups --"
     cli = " ".join(f"'{a}'" for a in [*USER_CLI, *argv])
-    script = f"{mounts} && {user} {cli}; rc=$?; {then} exit $rc"
+    script = f"{mounts} && {' '.join(_setpriv(u))} {cli}; rc=$?; {then} exit $rc"
     return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
                           env=env, capture_output=True, text=True, errors="replace", timeout=120,
                           stdin=subprocess.DEVNULL)
@@ -412,7 +413,7 @@ def test_unprivileged_mount_errors_name_cause_and_fix(pub: Path, other: User):
         check = (f"{' '.join(USER_CLI)} status {mp} >/dev/null && cat {mp}/a.txt && "
                  f"{' '.join(USER_CLI)} umount {mp} >&2;")
         r = _in_namespace(other, {"/dev/fuse": ns / "fuse666", **conf}, ["mount", dest, mp], env,
-                          then=f"{user_prefix(other)} sh -c '{check}';")
+                          then=f"{' '.join(_setpriv(other))} sh -c '{check}';")
         assert r.returncode == 0 and r.stdout == "a unprivileged\n", r
         assert "unmounted" in r.stderr, r.stderr
         # A state dir they cannot enter: one line (the check comes before /dev/fuse).
@@ -428,86 +429,3 @@ def test_unprivileged_mount_errors_name_cause_and_fix(pub: Path, other: User):
                 os.kill(pid, signal.SIGKILL)
     assert not any(p.name.endswith(".json") for p in (home / "state").iterdir())
     assert os.listdir(mp) == []
-
-
-def user_prefix(u: User) -> str:
-    return f"setpriv --reuid={u.uid} --regid={u.gid} --clear-groups --"
-
-
-
-# ------------------------------------------------------------------------------ library level
-
-
-@pytest.mark.parametrize("openat2", [True, False], ids=["openat2", "openat-walk"])
-def test_open_beneath_refuses_symlinks_and_dotdot(tmp_path: Path, monkeypatch, openat2: bool):
-    """Both resolvers (openat2 where the kernel has it, the O_NOFOLLOW walk otherwise) refuse
-    a symlink at the top and nested, `..` and absolute paths, and make missing directories."""
-    from fanstore_fuse import _safepath
-
-    if openat2:
-        assert _safepath._openat2_fn() is not None, "openat2 missing on this kernel"
-    else:
-        monkeypatch.setattr(_safepath, "_openat2_state", [None])
-    out, outside = tmp_path / "out", tmp_path / "outside"
-    (out / "real" / "deeper").mkdir(parents=True)
-    outside.mkdir()
-    (out / "top").symlink_to(outside)
-    (out / "real" / "nested").symlink_to(outside)
-    (out / "real" / "file").write_bytes(b"")
-    root = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        for rel in ("top", "top/x", "real/nested", "real/nested/y/z", "real/file/x",
-                    "../outside", "real/../../outside", "/etc"):
-            for create in (False, True):
-                with pytest.raises(_safepath.Escape) as e:
-                    _safepath.open_beneath(root, rel, create=create, shown=str(out))
-                assert str(out) in str(e.value)
-        fd = _safepath.open_beneath(root, "real/deeper/new/er", create=True, shown=str(out))
-        assert os.path.samestat(os.fstat(fd), os.stat(out / "real/deeper/new/er"))
-        os.close(fd)
-    finally:
-        os.close(root)
-    assert list(outside.iterdir()) == []
-    if openat2:  # it was used, not found missing (ENOSYS) and replaced by the walk
-        assert _safepath._openat2_state[0] is not None
-
-
-def test_secure_dir_checks(tmp_path: Path, other: User):
-    from fanstore_fuse._errors import FanstoreError
-    from fanstore_fuse._safepath import open_private, secure_dir
-
-    d = secure_dir(str(tmp_path / "a" / "b"), "state directory")
-    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
-    wide = tmp_path / "wide"
-    wide.mkdir()
-    os.chmod(wide, 0o777)  # not sticky: another user could swap what is inside
-    with pytest.raises(FanstoreError, match="writable by other users"):
-        secure_dir(str(wide / "state"))
-    assert not (wide / "state").exists()
-    theirs = tmp_path / "theirs"
-    theirs.mkdir(mode=0o700)
-    os.chown(theirs, other.uid, other.gid)
-    with pytest.raises(FanstoreError, match=f"belongs to uid {other.uid}"):
-        secure_dir(str(theirs))
-    (tmp_path / "link").symlink_to(d)
-    with pytest.raises(FanstoreError, match="is a symlink"):
-        secure_dir(str(tmp_path / "link"))
-    (tmp_path / "a" / "b" / "f").write_bytes(b"1")
-    os.link(tmp_path / "a" / "b" / "f", tmp_path / "a" / "b" / "hard")
-    with pytest.raises(FanstoreError, match="one name"):
-        open_private(str(tmp_path / "a" / "b" / "hard"), os.O_WRONLY | os.O_APPEND)
-
-
-def test_access_record_round_trips_and_rejects_garbage():
-    from fanstore_fuse._errors import FanstoreError
-    from fanstore_fuse._perms import GROUP, OTHERS, OWNER, Access
-
-    for a in (Access(OWNER), Access(GROUP, 0), Access(GROUP, 4242), Access(OTHERS)):
-        assert Access.decode(a.encode()) == a
-    for bad in (b"", b"fanstore-access 2 owner", b"fanstore-access 1 nobody",
-                b"other-magic 1 owner", b"fanstore-access 1 group:x", b"\xff" * 10):
-        with pytest.raises(FanstoreError):
-            Access.decode(bad)
-    assert Access(GROUP, 1).wider_than(Access(OWNER)) and Access(GROUP, 1).wider_than(Access(GROUP, 2))
-    assert not Access(OWNER).wider_than(Access(GROUP, 1))
-    assert Access(GROUP, 1).narrow(Access(GROUP, 2)) == Access(OWNER)
