@@ -83,10 +83,12 @@ def test_stage_out_uses_temp_name_then_rename(tmp_path: Path, monkeypatch) -> No
     seen: list[tuple[str, str, bytes]] = []
     real_replace = os.replace
 
-    def spy(src, dst):
-        seen.append((os.path.basename(src), os.path.basename(dst), Path(src).read_bytes()))
+    def spy(src, dst, *, src_dir_fd=None, dst_dir_fd=None):
+        # Stage-out renames within a directory fd (resolved beneath OUT, see _safepath).
+        with os.fdopen(os.open(src, os.O_RDONLY, dir_fd=src_dir_fd), "rb") as f:
+            seen.append((os.path.basename(src), os.path.basename(dst), f.read()))
         assert (out / "a").read_bytes() == b"old"  # the final name is untouched until the rename
-        return real_replace(src, dst)
+        return real_replace(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
 
     monkeypatch.setattr(_stageout.os, "replace", spy)
     summ = stage_out(s, str(out))

@@ -19,6 +19,7 @@ from ._blobstore import BlobStore
 from ._errors import FanstoreError
 from ._format import MANIFEST_NAME, read_manifest
 from ._fuse_ops import Operations
+from ._fuseaccess import fuse_access_problem, mount_failure
 from ._launch import world_error
 from ._mountctl import (
     MountState,
@@ -27,10 +28,12 @@ from ._mountctl import (
     mount_key,
     prepare_local_dir,
     remove_local_dir,
+    state_dir,
 )
 from ._namespace import Namespace
 from ._node import LocalBlobSource, Node, Stats
 from ._ring import Placement
+from ._safepath import open_private
 from ._stage import Ranges, stage_in
 from ._writes import WriteStore
 
@@ -91,7 +94,7 @@ def notify(fd: int | None, message: str) -> None:
 def write_ready_file(path: str | None, message: str) -> None:
     if path:
         tmp = path + ".tmp"
-        with open(tmp, "w") as f:
+        with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
             f.write(message + "\n")
         os.replace(tmp, path)
 
@@ -149,6 +152,10 @@ def _setup(cfg: MountConfig, rank: int, nranks: int, m: _Mounted) -> Placement:
         os.makedirs(mp, exist_ok=True)
         m.created_mountpoint = True
     check_mountpoint(mp, allow_nonempty="nonempty" in ",".join(cfg.fuse_options))
+    problem = fuse_access_problem(fuse_options(cfg))
+    if problem:
+        raise FanstoreError(problem)
+    state_dir()  # a state dir we may not use is a one-line error now, not after mounting
     manifest = read_manifest(os.path.join(cfg.dest, MANIFEST_NAME))
     parts = manifest.partitions
     bpart = manifest.blobs["part"]
@@ -205,7 +212,7 @@ def _progress_writer(path: str | None, total: int):
             last = now
             with contextlib.suppress(OSError):
                 tmp = path + ".tmp"
-                with open(tmp, "w") as f:
+                with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
                     f.write(f"{done} {total}\n")
                 os.replace(tmp, path)
 
@@ -218,7 +225,10 @@ def _mount(cfg: MountConfig, m: _Mounted) -> None:
     opts = fuse_options(cfg)
     if cfg.debug:
         opts.add("debug")
-    pyfuse3.init(Operations(m.node, writes=m.writes, shared=m.shared), m.mountpoint, opts)
+    try:
+        pyfuse3.init(Operations(m.node, writes=m.writes, shared=m.shared), m.mountpoint, opts)
+    except RuntimeError as e:
+        raise FanstoreError(mount_failure(str(e), opts)) from None
     m.mounted = True
     set_readahead(m.mountpoint, cfg.readahead_kb)
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from ._errors import FanstoreError
 from ._mountctl import MountState, find_state, mount_key, state_dir
+from ._safepath import open_private
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
@@ -41,9 +42,10 @@ def wait_answers(mountpoint: str, timeout: float) -> None:
 
 def start_background(argv: list[str], mountpoint: str, timeout: float = 600.0) -> int:
     """Run `fanstore-fuse <argv> --ready-fd N` detached; return its pid once ready."""
-    r, w = os.pipe()
     logp = log_path(mountpoint)
-    with open(logp, "ab") as logf:
+    logf = os.fdopen(open_private(logp, os.O_WRONLY | os.O_CREAT | os.O_APPEND), "ab")
+    r, w = os.pipe()
+    with logf:
         proc = subprocess.Popen(
             [sys.executable, "-m", "fanstore_fuse", *argv, "--ready-fd", str(w)],
             stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, pass_fds=(w,),
@@ -127,7 +129,7 @@ def start_ranks(argv: list[str], template: str, ranks: int | None, timeout: floa
     progress = os.path.join(state_dir(), f"{key}.progress")
     cmd = [*launcher_command(ranks, joined), sys.executable, "-m", "fanstore_fuse", *argv,
            "--mpi", "--ready-file", ready, "--progress-file", progress]
-    with open(logp, "ab") as logf:
+    with os.fdopen(open_private(logp, os.O_WRONLY | os.O_CREAT | os.O_APPEND), "ab") as logf:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
                                 start_new_session=True, close_fds=True)
     started = time.monotonic()

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
@@ -22,6 +23,7 @@ from typing import Any
 import xxhash
 
 from ._errors import FanstoreError
+from ._safepath import open_private, secure_dir
 
 LOCAL_MARKER = ".fanstore-local"
 WRITES_DIR = "writes"
@@ -29,11 +31,21 @@ STATE_SEED = 0x4D4E5453
 
 
 def state_dir() -> str:
-    d = os.environ.get("FANSTORE_STATE_DIR") or os.path.join(
-        tempfile.gettempdir(), f"fanstore-fuse-{os.getuid()}"
-    )
-    os.makedirs(d, mode=0o700, exist_ok=True)
-    return d
+    """The per-user state directory, checked (see `secure_dir`) on every use."""
+    return secure_dir(os.environ.get("FANSTORE_STATE_DIR") or default_state_dir(),
+                      "state directory")
+
+
+def default_state_dir() -> str:
+    """`$XDG_RUNTIME_DIR/fanstore-fuse` where that is a private directory of this user (it is
+    per-user and cleared at logout), else `$TMPDIR/fanstore-fuse-$UID`."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isabs(xdg):
+        with contextlib.suppress(OSError):
+            st = os.lstat(xdg)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077:
+                return os.path.join(xdg, "fanstore-fuse")
+    return os.path.join(tempfile.gettempdir(), f"fanstore-fuse-{os.getuid()}")
 
 
 def mount_key(mountpoint: str) -> str:
@@ -41,9 +53,9 @@ def mount_key(mountpoint: str) -> str:
 
 
 def default_local_dir(mountpoint: str) -> str:
-    return os.path.join(
-        tempfile.gettempdir(), f"fanstore-fuse-{os.getuid()}", "local-" + mount_key(mountpoint)
-    )
+    base = secure_dir(os.path.join(tempfile.gettempdir(), f"fanstore-fuse-{os.getuid()}"),
+                      "local directory")
+    return os.path.join(base, "local-" + mount_key(mountpoint))
 
 
 @dataclass
@@ -66,8 +78,7 @@ class MountState:
     def save(self) -> None:
         p = self.path()
         tmp = f"{p}.tmp{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
             json.dump(asdict(self), f)
         os.replace(tmp, p)
 
@@ -151,8 +162,7 @@ def check_mountpoint(mountpoint: str, allow_nonempty: bool = False) -> None:
 
 def prepare_local_dir(path: str) -> str:
     """Create (or reuse our own) node-local directory; refuse a foreign non-empty one."""
-    path = os.path.abspath(path)
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    path = secure_dir(path, "local directory")
     entries = set(os.listdir(path))
     if entries and LOCAL_MARKER not in entries:
         raise FanstoreError(f"local directory {path} is not empty and not ours")
@@ -161,7 +171,8 @@ def prepare_local_dir(path: str) -> str:
             f"local directory {path} holds files written by an earlier mount: run "
             f"`fanstore-fuse recover {path} --stage-out DIR` first"
         )
-    with open(os.path.join(path, LOCAL_MARKER), "w") as f:
+    marker = os.path.join(path, LOCAL_MARKER)
+    with os.fdopen(open_private(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
         f.write(f"{os.getpid()}\n")
     return path
 

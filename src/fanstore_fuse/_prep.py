@@ -42,6 +42,7 @@ from ._format import (
     partition_name,
     write_manifest,
 )
+from ._perms import keep_source_access
 
 log = logging.getLogger("fanstore_fuse.prep")
 _DROP_BITS = stat.S_ISUID | stat.S_ISGID
@@ -58,6 +59,8 @@ class PrepOptions:
     chunk_size: int = DEFAULT_CHUNK_SIZE
     broadcast: list[str] = field(default_factory=list)
     workers: int = 0  # 0: one per CPU
+    mode: int | None = None  # DEST's file mode; None: the source's access (see _perms)
+    group: str | None = None  # DEST's group (name or gid)
 
     def check(self) -> None:
         if self.partitions < 1 or self.partitions > 65536:
@@ -213,6 +216,7 @@ def _ordered_map(
             pending.append(pool.submit(fn, nxt))
 
 
+@keep_source_access
 def prep(
     src: str | os.PathLike[str],
     dest: str | os.PathLike[str],

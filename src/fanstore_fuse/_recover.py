@@ -14,10 +14,26 @@ import shutil
 
 from ._errors import FanstoreError
 from ._mountctl import LOCAL_MARKER, _is_ours, pid_alive
+from ._safepath import Escape, dir_beneath
 from ._stageout import StageFailure, StageOutSummary, stage_out
 from ._writes import JOURNAL_NAME, WriteStore
 
 UNCLOSED_DIR = ".fanstore-unclosed"
+
+
+def _salvage(src: str, out_dir: str, rel: str) -> None:
+    """Copy `src` (unverified) to OUT/rel, resolved beneath OUT (no symlink followed)."""
+    parent, _, name = rel.rpartition("/")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+    with dir_beneath(out_dir, parent) as dfd:
+        try:
+            with os.fdopen(os.open(name, flags, 0o600, dir_fd=dfd), "wb") as fout, \
+                    open(src, "rb") as fin:
+                shutil.copyfileobj(fin, fout)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dfd)
+            raise
 
 
 def owner_pid(local_dir: str) -> int:
@@ -60,14 +76,12 @@ def recover(
         summary = stage_out([store], out_dir, workers, verify_dest, unclosed_is_failure=False)
         if salvage_unclosed:
             for u in summary.unclosed:
-                dest = os.path.join(out_dir, UNCLOSED_DIR, u.path)
                 try:
-                    os.makedirs(os.path.dirname(dest), exist_ok=True)
-                    shutil.copyfile(u.local, dest)
+                    _salvage(u.local, out_dir, f"{UNCLOSED_DIR}/{u.path}")
+                except Escape as e:
+                    summary.failures.append(StageFailure(u.path, f"salvage: {e}", u.local))
                 except OSError as e:
                     summary.failures.append(StageFailure(u.path, f"salvage: {e.strerror}", u.local))
-                    with contextlib.suppress(OSError):
-                        os.unlink(dest)
     finally:
         store.close_store()
     return summary

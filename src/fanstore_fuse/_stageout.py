@@ -24,6 +24,7 @@ import xxhash
 
 from ._errors import FanstoreError
 from ._format import HASH_SEED
+from ._safepath import Escape, open_beneath
 from ._writes import CHUNK, CommitInfo, WriteStore
 
 log = logging.getLogger("fanstore_fuse.stageout")
@@ -84,17 +85,15 @@ class _Mismatch(Exception):
     pass
 
 
-def _dest(out_dir: str, rel: bytes) -> str:
-    return os.path.join(out_dir, os.fsdecode(rel))
-
-
-def copy_verified(src: str, commit: CommitInfo, dest: str, verify_dest: bool = True) -> int:
+def copy_verified(src: str, commit: CommitInfo, dest: str, verify_dest: bool = True,
+                  dir_fd: int | None = None) -> int:
     """Copy the committed version of `src` to `dest` via a temporary name; returns bytes.
+    With `dir_fd`, `dest` is a name in that directory (see `_safepath.open_beneath`).
 
     Raises _Mismatch when the local bytes are not the committed ones, OSError on I/O errors;
     the temporary file is removed on any failure and `dest` is untouched.
     """
-    d = os.path.dirname(dest) or "."
+    d = os.path.dirname(dest) if dir_fd is None else ""
     tmp = os.path.join(d, f"{TMP_PREFIX}{os.getpid()}.{next(_tmp_counter)}")
     sfd = os.open(src, os.O_RDONLY)
     try:
@@ -102,7 +101,8 @@ def copy_verified(src: str, commit: CommitInfo, dest: str, verify_dest: bool = T
         if actual != commit.size:
             raise _Mismatch(f"local copy has {actual} bytes, {commit.size} were committed "
                             "(changed after its last close)")
-        dfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        dfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
+                      dir_fd=dir_fd)
         try:
             h = xxhash.xxh3_64(seed=HASH_SEED)
             off = 0
@@ -124,30 +124,26 @@ def copy_verified(src: str, commit: CommitInfo, dest: str, verify_dest: bool = T
         if verify_dest:
             h = xxhash.xxh3_64(seed=HASH_SEED)
             n = 0
-            with open(tmp, "rb") as f:
+            with os.fdopen(os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd), "rb") as f:
                 while chunk := f.read(CHUNK):
                     h.update(chunk)
                     n += len(chunk)
             if n != commit.size or h.intdigest() != commit.xxh3:
                 raise _Mismatch("the copy read back from the destination does not match")
-        os.utime(tmp, ns=(commit.mtime_ns, commit.mtime_ns))
-        os.replace(tmp, dest)
+        os.utime(tmp, ns=(commit.mtime_ns, commit.mtime_ns), dir_fd=dir_fd, follow_symlinks=False)
+        os.replace(tmp, dest, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         return commit.size
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dir_fd)
         raise
     finally:
         os.close(sfd)
 
 
-def _fsync_dir(path: str) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+def _split(rel: bytes) -> tuple[str, str]:
+    parent, _, name = os.fsdecode(rel).rpartition("/")
+    return parent, name
 
 
 def stage_out(
@@ -169,6 +165,8 @@ def stage_out(
     out_dir = os.path.abspath(out_dir)
     summary = StageOutSummary()
     os.makedirs(out_dir, exist_ok=True)
+    # Everything is created beneath this fd: no symlink inside DIR is ever followed.
+    root = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     seen: dict[bytes, str] = {}
     jobs: list[tuple[bytes, str, CommitInfo, str]] = []
     dirs: list[tuple[bytes, int, int, bool]] = []
@@ -206,23 +204,27 @@ def stage_out(
                         summary.unclosed.append(u)
                     continue
                 jobs.append((rel, data, commit, label))
-        made_dirs: set[str] = {out_dir}
         for rel, _mode, _mtime, _shadow in dirs:
-            p = _dest(out_dir, rel)
             try:
-                os.makedirs(p, exist_ok=True)
-                made_dirs.add(p)
+                os.close(open_beneath(root, os.fsdecode(rel), create=True, shown=out_dir))
+            except Escape as e:
+                summary.failures.append(StageFailure(os.fsdecode(rel), str(e)))
             except OSError as e:
                 summary.failures.append(StageFailure(os.fsdecode(rel), f"mkdir: {e.strerror}"))
 
         def one(job: tuple[bytes, str, CommitInfo, str]) -> tuple[bytes, int, str | None, bool]:
             rel, data, commit, _label = job
-            dest = _dest(out_dir, rel)
+            parent, name = _split(rel)
             try:
-                os.makedirs(os.path.dirname(dest), exist_ok=True)
-                return rel, copy_verified(data, commit, dest, verify_dest), None, False
+                dfd = open_beneath(root, parent, create=True, shown=out_dir)
+                try:
+                    return rel, copy_verified(data, commit, name, verify_dest, dfd), None, False
+                finally:
+                    os.close(dfd)
             except _Mismatch as e:
                 return rel, 0, str(e), True
+            except Escape as e:
+                return rel, 0, str(e), False
             except OSError as e:
                 return rel, 0, f"{e.strerror or e}", False
 
@@ -240,20 +242,28 @@ def stage_out(
                     summary.failures.append(StageFailure(os.fsdecode(rel), err, by_rel[rel][1]))
         # Directory modes and mtimes last (deepest first), so a read-only dir can still be filled.
         for rel, mode, mtime, shadow in sorted(dirs, key=lambda t: -t[0].count(b"/")):
-            p = _dest(out_dir, rel)
-            _fsync_dir(p)
-            if shadow:
-                continue
             try:
-                os.chmod(p, stat.S_IMODE(mode))
-                os.utime(p, ns=(mtime, mtime))
+                fd = open_beneath(root, os.fsdecode(rel), shown=out_dir)
+            except (Escape, OSError):
+                continue  # reported when it was made
+            try:
+                with contextlib.suppress(OSError):
+                    os.fsync(fd)
+                if shadow:
+                    continue
+                os.fchmod(fd, stat.S_IMODE(mode))
+                os.utime(fd, ns=(mtime, mtime))
+                summary.dirs += 1
             except OSError as e:
                 summary.failures.append(StageFailure(os.fsdecode(rel), f"set attributes: {e.strerror}"))
-            summary.dirs += 1
-        _fsync_dir(out_dir)
+            finally:
+                os.close(fd)
+        with contextlib.suppress(OSError):
+            os.fsync(root)
     except FanstoreError as e:
         summary.failures.append(StageFailure("", str(e)))
     finally:
+        os.close(root)
         for s in opened:
             s.close_store()
     summary.seconds = time.monotonic() - t0

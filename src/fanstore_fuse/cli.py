@@ -64,15 +64,20 @@ def prep(
     broadcast: list[str] = typer.Option([], "--broadcast", help="glob of paths copied to every node"),
     workers: int = typer.Option(0, "--workers", "-w", help="threads (0: one per CPU)"),
     chunk_mib: int = typer.Option(4, "--chunk-mib", help="chunk size for large files, MiB"),
+    mode: str | None = typer.Option(
+        None, "--mode", help="octal mode of DEST's files (default: as private as SRC)"),
+    group: str | None = typer.Option(None, "--group", help="group of DEST (shares it: 0640)"),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
 ) -> None:
     """Pack SRC into partitions and a manifest in DEST."""
+    from ._perms import parse_mode
     from ._prep import PrepOptions
     from ._prep import prep as do_prep
 
-    opts = PrepOptions(partitions, codec, level, chunk_mib << 20, list(broadcast), workers)
     t0 = time.perf_counter()
     try:
+        opts = PrepOptions(partitions, codec, level, chunk_mib << 20, list(broadcast), workers,
+                           mode=parse_mode(mode), group=group)
         with _progress(quiet) as prog:
             task = prog.add_task("prep", total=None)
 
@@ -112,6 +117,7 @@ def verify(
         rep = do_verify(dest, workers=workers)
     except (FanstoreError, OSError) as e:
         _fail(f"manifest: {e}")
+    _warn_widened(dest)
     if json_out:
         print(json.dumps({"ok": rep.ok, "entries": rep.entries, "blobs": rep.blobs,
                           "bytes": rep.bytes, "problems": rep.problems}))
@@ -166,6 +172,8 @@ def mount(
     """
     from ._daemon import MountConfig, serve, setup_logging
 
+    if not mpi and ready_fd is None:  # once, by the command the user ran
+        _warn_widened(dest)
     multi = not mpi and (ranks is not None or bool(join) or bool(os.environ.get("SLURM_JOB_ID")))
     if multi or not foreground:
         # The daemon(s) run this same command in the foreground, with the same options.
@@ -217,6 +225,14 @@ def mount(
         join_timeout=join_timeout, stage_out=stage_out,
     )
     raise typer.Exit(serve(cfg))
+
+
+def _warn_widened(dest: str) -> None:
+    from ._perms import dest_warning
+
+    msg = dest_warning(dest)
+    if msg:
+        err.print(f"[yellow]fanstore-fuse: warning:[/] {msg}", highlight=False)
 
 
 def _parse_size(text: str | None) -> int | None:
@@ -326,7 +342,10 @@ def status(
     from ._mountctl import find_state, is_mounted
 
     if not is_mounted(mountpoint):
-        st = find_state(mountpoint)
+        try:
+            st = find_state(mountpoint)
+        except FanstoreError as e:
+            _fail(str(e))
         if st is not None and st.mountpoints:
             mountpoint = st.mountpoints[0]
     try:
