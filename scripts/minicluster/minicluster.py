@@ -111,7 +111,8 @@ class Cluster:
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self, prolog: str | None = None, epilog: str | None = None,
-              mpi_default: str = "none", timeout: float = 60.0) -> Cluster:
+              mpi_default: str = "none", prolog_flags: str = "Alloc",
+              timeout: float = 60.0) -> Cluster:
         if str(self.root).startswith("/tmp/") or str(self.root) == "/tmp":
             raise ClusterError(f"{self.root} is under /tmp, which every node replaces with its own")
         if os.geteuid() != 0:
@@ -127,10 +128,11 @@ class Cluster:
             (self.root / "nodes" / name / "tmp").mkdir(exist_ok=True)
             os.chmod(self.root / "nodes" / name / "tmp", 0o1777)
         os.chmod(self.root / "shared", 0o1777)
-        spec = ConfSpec(self.root, self.nodes, ports[0], ports[1:], prolog, epilog, mpi_default)
+        spec = ConfSpec(self.root, self.nodes, ports[0], ports[1:], prolog, epilog, mpi_default,
+                        prolog_flags)
         self.conf.write_text(render(spec))
         self.info = {"ctld_port": ports[0], "node_ports": ports[1:], "prolog": prolog,
-                     "epilog": epilog, "mpi_default": mpi_default}
+                     "epilog": epilog, "mpi_default": mpi_default, "prolog_flags": prolog_flags}
         self._save()
         try:
             self._start_munged()
@@ -204,16 +206,17 @@ class Cluster:
     def stop(self, purge: bool = False) -> list[str]:
         """Kill every process of every node namespace, then slurmctld and munged, by pid; remove
         spool, state and node directories (all of DIR with purge). Returns what was left alive."""
-        nodes = [n for n in self.pids if n.startswith("node-")]
-        inside: set[int] = set()
-        for n in nodes:
-            inside |= set(self.ns_pids(self.pids[n]))
+        # Only pids that still run what we started (a stale cluster.json must not make us kill
+        # whatever reused a pid).
+        ours = {n: p for n, p in self.pids.items() if _runs(p, _EXPECT[n.split("-")[0]])}
+        spaces = {_mnt_ns(p) for n, p in ours.items() if n.startswith("node-")} - {None}
+        inside = _pids_in(spaces)
         _terminate(sorted(inside), 10.0)
-        _terminate([p for n, p in self.pids.items() if n.startswith("unshare-")], 10.0)
+        _terminate([p for n, p in ours.items() if n.startswith("unshare-")], 10.0)
         for name in ("slurmctld", "munged"):
-            if name in self.pids:
-                _terminate([self.pids[name]], 10.0)
-        left = [f"{pid}" for pid in inside | set(self.pids.values()) if _alive(pid)]
+            if name in ours:
+                _terminate([ours[name]], 10.0)
+        left = [f"{pid}" for pid in (_pids_in(spaces) | set(ours.values())) if _alive(pid)]
         for sub in ("ctld", "nodes", "munge", "etc", "cluster.json"):
             p = self.root / sub
             if p.is_dir():
@@ -232,17 +235,7 @@ class Cluster:
 
     def ns_pids(self, anchor: int) -> list[int]:
         """Every process in the mount namespace of `anchor` (a node's pid 1), anchor included."""
-        try:
-            ns = os.readlink(f"/proc/{anchor}/ns/mnt")
-        except OSError:
-            return []
-        out = []
-        for d in os.listdir("/proc"):
-            if d.isdigit():
-                with contextlib.suppress(OSError):
-                    if os.readlink(f"/proc/{d}/ns/mnt") == ns:
-                        out.append(int(d))
-        return out
+        return sorted(_pids_in({_mnt_ns(anchor)} - {None}))
 
     def run_on(self, k: int, cmd: list[str], timeout: float = 120.0,
                check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -324,6 +317,36 @@ class Cluster:
         return "\n".join([*lines, r.stdout.strip() or r.stderr.strip()])
 
 
+_EXPECT = {"node": "nodeinit.py", "unshare": "unshare", "slurmctld": "slurmctld", "munged": "munged"}
+
+
+def _runs(pid: int, needle: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return needle.encode() in f.read()
+    except OSError:
+        return False
+
+
+def _mnt_ns(pid: int) -> str | None:
+    """The mount namespace of `pid`, or None when gone or when it is this host's own one."""
+    try:
+        ns = os.readlink(f"/proc/{pid}/ns/mnt")
+    except OSError:
+        return None
+    return None if ns == os.readlink("/proc/self/ns/mnt") else ns
+
+
+def _pids_in(spaces: set[str]) -> set[int]:
+    out = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{d}/ns/mnt") in spaces:
+                    out.add(int(d))
+    return out
+
+
 def _children(pid: int) -> list[int]:
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
@@ -365,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prolog")
     ap.add_argument("--epilog")
     ap.add_argument("--mpi-default", default="none")
+    ap.add_argument("--prolog-flags", default="Alloc", help="PrologFlags= ('' for none)")
     ap.add_argument("--purge", action="store_true")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("rest", nargs="*")
@@ -379,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.action == "start":
             if missing_tools():
                 install_packages()
-            c.start(a.prolog, a.epilog, a.mpi_default)
+            c.start(a.prolog, a.epilog, a.mpi_default, a.prolog_flags)
             print(f"started {a.nodes} nodes in {c.root}\n"
                   f"export SLURM_CONF={c.conf} "
                   f"{' '.join(f'{k}={v}' for k, v in JOB_ENV.items())}\n"

@@ -17,6 +17,7 @@ class ConfSpec:
     prolog: str | None = None
     epilog: str | None = None
     mpi_default: str = "none"
+    prolog_flags: str = "Alloc"  # Slurm 22.05 runs the prolog at a node's first step without it
     cpus: int = 4
 
 
@@ -87,7 +88,9 @@ def render(spec: ConfSpec) -> str:
         "TmpFS=/tmp",
     ]
     if spec.prolog:
-        lines += [f"Prolog={spec.prolog}", "PrologFlags=Alloc", "PrologEpilogTimeout=180"]
+        lines += [f"Prolog={spec.prolog}", "PrologEpilogTimeout=180"]
+        if spec.prolog_flags:
+            lines.append(f"PrologFlags={spec.prolog_flags}")
     if spec.epilog:
         lines.append(f"Epilog={spec.epilog}")
     for name, port in zip(node_names(spec.nodes), spec.node_ports):
