@@ -11,6 +11,7 @@ from array import array
 from pathlib import Path
 
 import pytest
+from _manifests import build, counts, rehead, sections
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -18,6 +19,7 @@ from fanstore_fuse import ChecksumError, FormatError, Namespace, PrepOptions, pr
 from fanstore_fuse._blobstore import BlobStore
 from fanstore_fuse._format import (
     _MANIFEST_HEADER,
+    _SECTION,
     CODEC_RAW,
     CODEC_ZSTD,
     FORMAT_VERSION,
@@ -28,6 +30,7 @@ from fanstore_fuse._format import (
     MANIFEST_MAGIC,
     MANIFEST_NAME,
     PARTITION_DATA_START,
+    SECTIONS,
     BlobCodec,
     checksum,
     decode_manifest,
@@ -153,7 +156,9 @@ def test_manifest_round_trip(tree, parts, codec, chunk):
         # The manifest also survives a second encode/decode unchanged.
         again = decode_manifest(encode_manifest(res.manifest))
         assert encode_manifest(again) == (dest / MANIFEST_NAME).read_bytes()
-        assert decode_manifest(encode_manifest(res.manifest, compress=False)).entries == again.entries
+        m2 = read_manifest(dest / MANIFEST_NAME)
+        assert m2.entries == again.entries and m2.blobs == again.blobs
+        assert bytes(m2.names) == bytes(res.manifest.names)
 
 
 @pytest.fixture
@@ -178,7 +183,7 @@ def _manifest_bytes(dest: Path) -> bytes:
 def test_every_header_bit_flip_is_refused(small_dest: Path):
     data = _manifest_bytes(small_dest)
     decode_manifest(data)
-    for byte in range(_MANIFEST_HEADER.size):
+    for byte in range(_MANIFEST_HEADER.size + _SECTION.size * len(SECTIONS)):
         for bit in range(8):
             bad = bytearray(data)
             bad[byte] ^= 1 << bit
@@ -189,7 +194,7 @@ def test_every_header_bit_flip_is_refused(small_dest: Path):
 def test_payload_bit_flips_are_refused(small_dest: Path):
     data = _manifest_bytes(small_dest)
     hs = _MANIFEST_HEADER.size
-    for pos in range(hs, len(data), max(1, (len(data) - hs) // 97)):
+    for pos in range(hs + _SECTION.size * len(SECTIONS), len(data), max(1, (len(data) - hs) // 97)):
         for bit in (0, 3, 7):
             bad = bytearray(data)
             bad[pos] ^= 1 << bit
@@ -210,39 +215,64 @@ def test_truncated_manifest(small_dest: Path, tmp_path: Path):
         read_manifest(tmp_path)
 
 
-def _rehead(payload: bytes, version: int = FORMAT_VERSION, flags: int = 1) -> bytes:
-    return _MANIFEST_HEADER.pack(MANIFEST_MAGIC, version, flags, 0, len(payload), checksum(payload)) + payload
-
-
 def test_version_mismatch(small_dest: Path):
     data = _manifest_bytes(small_dest)
-    payload = data[_MANIFEST_HEADER.size :]
-    decode_manifest(_rehead(payload))
-    for v in (0, FORMAT_VERSION + 1, 0xFFFF):
+    assert decode_manifest(rehead(data)).n_entries == 7
+    for v in (0, 1, FORMAT_VERSION + 1, 0xFFFF):
         with pytest.raises(FormatError, match="version"):
-            decode_manifest(_rehead(payload, version=v))
-    # A payload claiming another format version, with a valid header and checksum.
+            decode_manifest(rehead(data, version=v))
+    with pytest.raises(FormatError, match="re-run `fanstore-fuse prep`"):
+        decode_manifest(rehead(data, version=1))
+    with pytest.raises(FormatError, match="flags"):
+        decode_manifest(rehead(data, flags=1))
+    with pytest.raises(FormatError, match="sections"):
+        decode_manifest(rehead(data, sections=3))
+    # A meta section claiming another format version, or not msgpack at all, checksums valid.
     import msgpack
-    import zstandard
 
-    d = msgpack.unpackb(zstandard.ZstdDecompressor().decompress(payload), raw=False)
-    d["format"] = FORMAT_VERSION + 1
-    raw = msgpack.packb(d, use_bin_type=True)
-    with pytest.raises(FormatError, match="format"):
-        decode_manifest(_rehead(raw, flags=0))
-    # Garbage with a valid checksum: not msgpack / not zstd.
+    secs = sections(data)
+    n, nb = counts(data)
+    meta = msgpack.unpackb(secs["meta"], raw=False)
+    for bad, msg in (({**meta, "format": FORMAT_VERSION + 1}, "format"), ([1, 2, 3], "format"),
+                     ({**meta, "partitions": [["x"]]}, "malformed"), ({**meta, "dataset_id": "x"},
+                                                                         "malformed")):
+        with pytest.raises(FormatError, match=msg):
+            decode_manifest(build({**secs, "meta": msgpack.packb(bad, use_bin_type=True)}, n, nb))
     with pytest.raises(FormatError, match="msgpack"):
-        decode_manifest(_rehead(b"\xc1\xc1\xc1", flags=0))
-    with pytest.raises(FormatError, match="decompress"):
-        decode_manifest(_rehead(b"not zstd at all", flags=1))
-    with pytest.raises(FormatError):
-        decode_manifest(_rehead(msgpack.packb([1, 2, 3]), flags=0))
+        decode_manifest(build({**secs, "meta": b"\xc1\xc1\xc1"}, n, nb))
     with pytest.raises(FormatError, match="magic"):
         decode_manifest(b"FSTRPART" + data[8:])
 
 
+def test_version_1_manifest_is_refused_with_a_hint(tmp_path: Path):
+    """A manifest written by the version-1 prep (32-byte header, zstd msgpack payload)."""
+    import zstandard
+
+    payload = zstandard.ZstdCompressor().compress(b"\x80")
+    v1 = struct.pack("<8sHHIQQ", MANIFEST_MAGIC, 1, 1, 0, len(payload), checksum(payload)) + payload
+    (tmp_path / MANIFEST_NAME).write_bytes(v1)
+    with pytest.raises(FormatError, match="version 1.*re-run `fanstore-fuse prep`"):
+        read_manifest(tmp_path / MANIFEST_NAME)
+
+
+def test_sizes_and_counts_are_checked_before_anything_is_read(small_dest: Path):
+    data = _manifest_bytes(small_dest)
+    n, nb = counts(data)
+    for fields, msg in (
+        (dict(entries=2**40), "out of range"), (dict(entries=0), "out of range"),
+        (dict(blobs=2**41), "out of range"), (dict(entries=2**31), "expected"),
+        (dict(blobs=2**30), "expected"), (dict(entries=n + 1), "expected"),
+        (dict(size=len(data) + (4 << 30)), "header says"),
+    ):
+        with pytest.raises(FormatError, match=msg):
+            decode_manifest(rehead(data, **fields))
+    secs = sections(data)
+    with pytest.raises(FormatError, match="names"):  # a name heap longer than 255 per entry
+        decode_manifest(build({**secs, "names": bytes(256 * n)}, n, nb))
+
+
 def _hostile(dest: Path, mutate) -> bytes:
-    m = read_manifest(dest / MANIFEST_NAME)
+    m = read_manifest(dest / MANIFEST_NAME, writable=True)
     mutate(m)
     return encode_manifest(m)
 
@@ -257,8 +287,8 @@ def _hostile(dest: Path, mutate) -> bytes:
         (lambda m: m.entries["size"].__setitem__(_first_file(m), 1), "size"),
         (lambda m: m.entries["count"].__setitem__(0, 1), "cover|parent"),
         (lambda m: m.entries["first"].__setitem__(0, 0), "children|cycle|parent"),
-        (lambda m: setattr(m, "names", m.names.replace(b"a.txt", b"../xx")), "unsafe"),
-        (lambda m: setattr(m, "names", m.names.replace(b"a.txt", b"a/txt")), "unsafe"),
+        (lambda m: setattr(m, "names", bytes(m.names).replace(b"a.txt", b"../xx")), "unsafe"),
+        (lambda m: setattr(m, "names", bytes(m.names).replace(b"a.txt", b"a/txt")), "unsafe"),
         (lambda m: setattr(m.partitions[0], "name", "../evil"), "unsafe"),
         (lambda m: setattr(m.partitions[1], "name", m.partitions[0].name), "duplicate"),
         (lambda m: setattr(m.partitions[0], "size", 10), "too small"),

@@ -17,7 +17,7 @@ import trio
 
 from ._blobstore import BlobStore
 from ._errors import FanstoreError
-from ._format import MANIFEST_NAME, read_manifest
+from ._format import read_manifest
 from ._fuse_ops import Operations
 from ._fuseaccess import fuse_access_problem, mount_failure
 from ._launch import world_error
@@ -34,7 +34,7 @@ from ._namespace import Namespace
 from ._node import LocalBlobSource, Node, Stats
 from ._ring import Placement
 from ._safepath import open_private
-from ._stage import Ranges, stage_in
+from ._stage import Ranges, stage_in, stage_manifest
 from ._writes import WriteStore
 
 log = logging.getLogger("fanstore_fuse.daemon")
@@ -156,14 +156,14 @@ def _setup(cfg: MountConfig, rank: int, nranks: int, m: _Mounted) -> Placement:
     if problem:
         raise FanstoreError(problem)
     state_dir()  # a state dir we may not use is a one-line error now, not after mounting
-    manifest = read_manifest(os.path.join(cfg.dest, MANIFEST_NAME))
+    local_t = cfg.local_dir or (default_local_dir(cfg.mountpoint) + ("/{rank}" if nranks > 1 else ""))
+    m.local = prepare_local_dir(for_rank(local_t, rank))
+    manifest = read_manifest(stage_manifest(cfg.dest, m.local))
     parts = manifest.partitions
     bpart = manifest.blobs["part"]
     placement = Placement(
         nranks, cfg.replicas, is_broadcast=lambda b: parts[bpart[b]].broadcast
     )
-    local_t = cfg.local_dir or (default_local_dir(cfg.mountpoint) + ("/{rank}" if nranks > 1 else ""))
-    m.local = prepare_local_dir(for_rank(local_t, rank))
     shares: dict[int, Ranges | None] | None
     if nranks == 1:
         shares = None

@@ -2,16 +2,21 @@
 
 Pure library code: no FUSE, no MPI. Everything two processes must agree on is
 hashed with xxh3-64 and a fixed seed.
+
+The manifest (version 2) is used in place: a header, a section table, then one section per
+column, each a little-endian fixed-width array (or a byte heap). `read_manifest` maps the file
+and hands out memoryviews over it, so loading allocates nothing per entry and ranks on one node
+share the page cache. Every size is checked against the file before anything is touched.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import stat
 import struct
 import sys
-from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,18 +26,18 @@ import zstandard
 
 from ._errors import ChecksumError, FormatError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST_MAGIC = b"FSTRMANI"
 PARTITION_MAGIC = b"FSTRPART"
 MANIFEST_NAME = "manifest.fsm"
 HASH_SEED = 0x46414E53  # "FANS": the one seed for every checksum in the format
 
-_MANIFEST_HEADER = struct.Struct("<8sHHIQQ")  # magic, version, flags, reserved, len, xxh3
+# magic, version, flags, sections, file size, entries, blobs, xxh3 of bytes 0..40 + section table
+_MANIFEST_HEADER = struct.Struct("<8sHHIQQQQ")
+_SECTION = struct.Struct("<QQQ")  # offset, length, xxh3 of the section and its zero padding
 _PARTITION_HEADER = struct.Struct("<8sHHIQQ")  # magic, version, flags, index, dataset id, reserved
 PARTITION_DATA_START = 64  # blobs start here; the header is padded to this size
-MANIFEST_FLAG_ZSTD = 1
 PARTITION_FLAG_BROADCAST = 1
-MAX_MANIFEST_BYTES = 1 << 34
 
 KIND_FILE, KIND_DIR, KIND_LINK = 0, 1, 2
 CODEC_RAW, CODEC_ZSTD, CODEC_ZSTD_DICT = 0, 1, 2
@@ -63,6 +68,21 @@ BLOB_COLUMNS = {
     "codec": "B",  # CODEC_*
     "xxh3": "Q",  # xxh3-64 (HASH_SEED) of the raw bytes
 }
+ITEMSIZE = {"B": 1, "I": 4, "q": 8, "Q": 8}
+# The sections of a version-2 manifest, in file order.
+SECTIONS = (
+    "meta", *(f"entries.{k}" for k in ENTRY_COLUMNS), "name_off", "names", "links",
+    *(f"blobs.{k}" for k in BLOB_COLUMNS), "zdict",
+)
+# Sane limits, checked before anything is mapped or allocated.
+MAX_ENTRIES = (1 << 32) - 1  # parent indexes are u32
+MAX_BLOBS = 1 << 36  # x 64 MiB chunks: sums of sizes stay far below 2**64
+MAX_NAME = 255
+MAX_LINK = 4096  # PATH_MAX
+MAX_META_BYTES = 64 << 20
+MAX_ZDICT_BYTES = 16 << 20
+MAX_PARTITIONS = 65537
+_DIGEST_STEP = 64 << 20  # checksum this much of a mapped file, then drop its pages
 
 
 def checksum(data: bytes | memoryview) -> int:
@@ -70,23 +90,8 @@ def checksum(data: bytes | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(data, seed=HASH_SEED)
 
 
-def _to_le(col: array) -> bytes:
-    if sys.byteorder == "big":  # pragma: no cover - all targets are little-endian
-        col = array(col.typecode, col)
-        col.byteswap()
-    return col.tobytes()
-
-
-def _from_le(typecode: str, data: Any, n: int, what: str) -> array:
-    if not isinstance(data, bytes):
-        raise FormatError(f"manifest column {what!r} is not binary")
-    col = array(typecode)
-    if len(data) != n * col.itemsize:
-        raise FormatError(f"manifest column {what!r} has {len(data)} bytes, expected {n * col.itemsize}")
-    col.frombytes(data)
-    if sys.byteorder == "big":  # pragma: no cover
-        col.byteswap()
-    return col
+def _align8(n: int) -> int:
+    return (n + 7) & ~7
 
 
 @dataclass
@@ -102,18 +107,23 @@ class Manifest:
 
     Entries are in breadth-first order with each directory's children contiguous and sorted
     by name, so entry 0 is the root and a name lookup is a binary search. Inode = index + 1.
+    Columns are any 1-D buffers of the column's type (memoryviews over the mapped file when
+    read, `array`s when built by prep); `names` and `links` are byte buffers (slice, then
+    `bytes()`).
     """
 
     dataset_id: int
     options: dict[str, Any]
     partitions: list[PartitionInfo]
-    entries: dict[str, array]
-    name_off: array  # n + 1 offsets into `names`
-    names: bytes
-    links: bytes
-    blobs: dict[str, array]
+    entries: dict[str, Any]
+    name_off: Any  # n + 1 offsets into `names`
+    names: Any
+    links: Any
+    blobs: dict[str, Any]
     zdict: bytes = b""
     _checked: bool = field(default=False, repr=False)
+    _keep: Any = field(default=None, repr=False)  # the mapping the columns view
+    _total: int | None = field(default=None, repr=False)
 
     @property
     def n_entries(self) -> int:
@@ -124,7 +134,7 @@ class Manifest:
         return len(self.blobs["part"])
 
     def name(self, i: int) -> bytes:
-        return self.names[self.name_off[i] : self.name_off[i + 1]]
+        return bytes(self.names[self.name_off[i] : self.name_off[i + 1]])
 
     def path(self, i: int) -> bytes:
         parts = []
@@ -134,213 +144,272 @@ class Manifest:
             i = parent[i]
         return b"/".join(reversed(parts))
 
+    def link(self, i: int) -> bytes:
+        o = self.entries["first"][i]
+        return bytes(self.links[o : o + self.entries["size"][i]])
+
     def total_bytes(self) -> int:
-        return sum(self.blobs["raw"])
+        if self._total is None:
+            import numpy as np
+
+            raw = np.frombuffer(self.blobs["raw"], dtype="<u4")
+            self._total = int(raw.sum(dtype=np.uint64))
+        return self._total
 
 
 # ---------------------------------------------------------------- manifest codec
 
 
-def encode_manifest(m: Manifest, compress: bool = True) -> bytes:
-    payload = msgpack.packb(
+def _meta(m: Manifest) -> bytes:
+    return msgpack.packb(
         {
             "format": FORMAT_VERSION,
             "dataset_id": m.dataset_id,
             "options": m.options,
             "partitions": [[p.name, p.size, p.broadcast] for p in m.partitions],
-            "n_entries": m.n_entries,
-            "entries": {k: _to_le(m.entries[k]) for k in ENTRY_COLUMNS},
-            "name_off": _to_le(m.name_off),
-            "names": m.names,
-            "links": m.links,
-            "n_blobs": m.n_blobs,
-            "blobs": {k: _to_le(m.blobs[k]) for k in BLOB_COLUMNS},
-            "zdict": m.zdict,
         },
         use_bin_type=True,
     )
-    flags = 0
-    if compress:
-        payload = zstandard.ZstdCompressor(level=3, write_content_size=True).compress(payload)
-        flags |= MANIFEST_FLAG_ZSTD
-    header = _MANIFEST_HEADER.pack(
-        MANIFEST_MAGIC, FORMAT_VERSION, flags, 0, len(payload), checksum(payload)
+
+
+def _le_bytes(col: Any) -> memoryview:
+    mv = memoryview(col)
+    if sys.byteorder == "big" and mv.itemsize > 1:  # pragma: no cover - all targets are LE
+        from array import array
+
+        a = array(mv.format, mv.tolist())
+        a.byteswap()
+        mv = memoryview(a)
+    return mv.cast("B")
+
+
+def manifest_sections(m: Manifest) -> list[Any]:
+    """The sections of `m`, in SECTIONS order, as byte buffers."""
+    return [
+        _meta(m),
+        *(_le_bytes(m.entries[k]) for k in ENTRY_COLUMNS),
+        _le_bytes(m.name_off),
+        _le_bytes(m.names),
+        _le_bytes(m.links),
+        *(_le_bytes(m.blobs[k]) for k in BLOB_COLUMNS),
+        _le_bytes(m.zdict),
+    ]
+
+
+def manifest_header(n_entries: int, n_blobs: int, sections: list[tuple[int, int]]) -> bytes:
+    """Header + section table for sections of (length, padded xxh3), laid out back to back."""
+    pos = _align8(_MANIFEST_HEADER.size + _SECTION.size * len(sections))
+    table = bytearray()
+    for length, digest in sections:
+        table += _SECTION.pack(pos, length, digest)
+        pos = _align8(pos + length)
+    head = _MANIFEST_HEADER.pack(
+        MANIFEST_MAGIC, FORMAT_VERSION, 0, len(sections), pos, n_entries, n_blobs, 0
+    )[: _MANIFEST_HEADER.size - 8]
+    digest = checksum(head + table)
+    return head + struct.pack("<Q", digest) + bytes(table)
+
+
+def section_digest(data: Any) -> int:
+    h = xxhash.xxh3_64(seed=HASH_SEED)
+    h.update(data)
+    h.update(bytes(_align8(len(data)) - len(data)))
+    return h.intdigest()
+
+
+def encode_manifest(m: Manifest) -> bytes:
+    secs = manifest_sections(m)
+    out = bytearray(
+        manifest_header(m.n_entries, m.n_blobs, [(len(s), section_digest(s)) for s in secs])
     )
-    return header + payload
+    for s in secs:
+        out += s
+        out += bytes(_align8(len(out)) - len(out))
+    return bytes(out)
 
 
-def decode_manifest(data: bytes) -> Manifest:
-    """Parse and fully validate a manifest; raise FormatError with a clear message."""
-    if len(data) < _MANIFEST_HEADER.size:
+def write_manifest(path: str | os.PathLike[str], m: Manifest) -> None:
+    """Write `m` to `path` atomically, section by section (no second copy in memory)."""
+    secs = manifest_sections(m)
+    head = manifest_header(m.n_entries, m.n_blobs, [(len(s), section_digest(s)) for s in secs])
+    tmp = f"{os.fspath(path)}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(head)
+        for s in secs:
+            f.write(s)
+            f.write(bytes(_align8(len(s)) - len(s)))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def decode_manifest(data: bytes | bytearray | memoryview) -> Manifest:
+    """Parse and fully validate a manifest held in memory; raise FormatError if bad."""
+    return _parse(memoryview(data).cast("B"), None)
+
+
+def read_manifest(path: str | os.PathLike[str], writable: bool = False) -> Manifest:
+    """Map and fully validate the manifest at `path`. `writable`: a private copy-on-write
+    mapping whose columns may be changed in memory (tests); the file never changes."""
+    p = os.fspath(path)
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise FormatError(f"no manifest at {p!r}") from None
+    except IsADirectoryError:
+        raise FormatError(f"{p!r} is a directory, not a manifest") from None
+    except OSError as e:
+        raise FormatError(f"manifest {p!r} unreadable: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError(f"{p!r} is a directory, not a manifest")
+        if st.st_size < 10:
+            raise FormatError("manifest is truncated (no header)")
+        mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY if writable else mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+    m = _parse(memoryview(mm), None if writable else mm)
+    m._keep = mm
+    if not writable:
+        mm.madvise(mmap.MADV_DONTNEED)  # validation touched every page: let them go again
+    return m
+
+
+def _digest(buf: memoryview, off: int, n: int, mm: mmap.mmap | None) -> int:
+    h = xxhash.xxh3_64(seed=HASH_SEED)
+    end = _align8(off + n)
+    for a in range(off, end, _DIGEST_STEP):
+        b = min(a + _DIGEST_STEP, end)
+        h.update(buf[a:b])
+        if mm is not None:
+            start = a - a % mmap.PAGESIZE
+            mm.madvise(mmap.MADV_DONTNEED, start, b - start)
+    return h.intdigest()
+
+
+def _expected_lengths(n: int, nb: int) -> dict[str, tuple[int, int]]:
+    """Section name -> (min, max) length allowed for n entries and nb blobs."""
+    exp = {f"entries.{k}": (n * ITEMSIZE[t],) * 2 for k, t in ENTRY_COLUMNS.items()}
+    exp.update({f"blobs.{k}": (nb * ITEMSIZE[t],) * 2 for k, t in BLOB_COLUMNS.items()})
+    exp["name_off"] = ((n + 1) * 8,) * 2
+    exp["names"] = (n - 1, MAX_NAME * (n - 1))
+    exp["links"] = (0, MAX_LINK * n)
+    exp["meta"] = (1, MAX_META_BYTES)
+    exp["zdict"] = (0, MAX_ZDICT_BYTES)
+    return exp
+
+
+def _header(buf: memoryview, size: int) -> tuple[int, int, list[tuple[int, int, int]]]:
+    """Check the header and section table (the first bytes of `buf`) against the file size
+    `size` and the sane limits; return (entries, blobs, table). Reads nothing else."""
+    hs = _MANIFEST_HEADER.size
+    if size < 10 or len(buf) < 10:
         raise FormatError("manifest is truncated (no header)")
-    magic, version, flags, reserved, length, digest = _MANIFEST_HEADER.unpack_from(data)
-    if magic != MANIFEST_MAGIC:
+    if bytes(buf[:8]) != MANIFEST_MAGIC:
         raise FormatError("not a fanstore-fuse manifest (bad magic)")
+    (version,) = struct.unpack_from("<H", buf, 8)
     if version != FORMAT_VERSION:
-        raise FormatError(f"manifest format version {version}, this build reads {FORMAT_VERSION}")
-    # The header is not covered by the checksum: refuse any bit this version does not define.
-    if flags & ~MANIFEST_FLAG_ZSTD or reserved:
-        raise FormatError(f"manifest header has unknown flags {flags:#x} or reserved {reserved:#x}")
-    payload = data[_MANIFEST_HEADER.size :]
-    if len(payload) != length:
-        raise FormatError(f"manifest payload is {len(payload)} bytes, header says {length}")
-    if checksum(payload) != digest:
-        raise FormatError("manifest checksum mismatch (corrupt manifest)")
-    if flags & MANIFEST_FLAG_ZSTD:
-        try:
-            payload = zstandard.ZstdDecompressor().decompress(
-                payload, max_output_size=MAX_MANIFEST_BYTES
-            )
-        except zstandard.ZstdError as e:
-            raise FormatError(f"manifest does not decompress: {e}") from None
+        hint = " (written by an older prep: re-run `fanstore-fuse prep`)" if version < 2 else ""
+        raise FormatError(
+            f"manifest format version {version}, this build reads {FORMAT_VERSION}{hint}"
+        )
+    if len(buf) < hs:
+        raise FormatError("manifest is truncated (no header)")
+    _, _, flags, nsec, claimed, n, nb, digest = _MANIFEST_HEADER.unpack_from(buf)
+    if nsec != len(SECTIONS):
+        raise FormatError(f"manifest has {nsec} sections, version {FORMAT_VERSION} has {len(SECTIONS)}")
+    table_end = hs + nsec * _SECTION.size
+    if len(buf) < table_end:
+        raise FormatError("manifest is truncated (no section table)")
+    if checksum(bytes(buf[: hs - 8]) + bytes(buf[hs:table_end])) != digest:
+        raise FormatError("manifest header checksum mismatch (corrupt manifest)")
+    if flags:
+        raise FormatError(f"manifest header has unknown flags {flags:#x}")
+    if claimed != size:
+        raise FormatError(f"manifest is {size} bytes, header says {claimed}")
+    if not 1 <= n <= MAX_ENTRIES or not 0 <= nb <= MAX_BLOBS:
+        raise FormatError(f"manifest counts out of range: {n} entries, {nb} blobs")
+    table = [_SECTION.unpack_from(buf, hs + k * _SECTION.size) for k in range(nsec)]
+    exp = _expected_lengths(n, nb)
+    pos = _align8(table_end)
+    for name, (off, length, _) in zip(SECTIONS, table):
+        lo, hi = exp[name]
+        if not lo <= length <= hi:
+            want = str(lo) if lo == hi else f"{lo}..{hi}"
+            raise FormatError(f"manifest column {name!r} has {length} bytes, expected {want}")
+        if off != pos:
+            raise FormatError(f"manifest section {name!r} at offset {off}, expected {pos}")
+        pos = _align8(off + length)
+    if pos != size:
+        raise FormatError(f"manifest sections end at {pos}, the file has {size} bytes")
+    return n, nb, table
+
+
+def check_manifest_header(path: str | os.PathLike[str]) -> None:
+    """The header checks of `read_manifest` alone (before copying a manifest anywhere)."""
+    p = os.fspath(path)
     try:
-        d = msgpack.unpackb(payload, raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several types on garbage
-        raise FormatError(f"manifest payload is not valid msgpack: {e}") from None
+        with open(p, "rb") as f:
+            head = f.read(_MANIFEST_HEADER.size + _SECTION.size * len(SECTIONS))
+            size = os.fstat(f.fileno()).st_size
+    except (FileNotFoundError, IsADirectoryError):
+        raise FormatError(f"no manifest at {p!r}") from None
+    except OSError as e:
+        raise FormatError(f"manifest {p!r} unreadable: {e.strerror}") from None
+    _header(memoryview(head), size)
+
+
+def _parse(buf: memoryview, mm: mmap.mmap | None) -> Manifest:
+    _, _, table = _header(buf, len(buf))
+    for name, (off, length, want) in zip(SECTIONS, table):
+        if _digest(buf, off, length, mm) != want:
+            raise FormatError(f"manifest checksum mismatch in section {name!r} (corrupt manifest)")
+    sec = {name: buf[off : off + length] for name, (off, length, _) in zip(SECTIONS, table)}
     try:
-        return _manifest_from_dict(d)
+        m = _from_sections(sec)
     except FormatError:
         raise
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
         raise FormatError(f"manifest is malformed: {type(e).__name__}: {e}") from None
-
-
-def _manifest_from_dict(d: dict[str, Any]) -> Manifest:
-    if d.get("format") != FORMAT_VERSION:
-        raise FormatError(f"manifest payload format {d.get('format')!r} unsupported")
-    n = int(d["n_entries"])
-    nb = int(d["n_blobs"])
-    if n < 1 or n > 1 << 32 or nb < 0 or nb > 1 << 40:
-        raise FormatError(f"manifest counts out of range: {n} entries, {nb} blobs")
-    entries = {k: _from_le(t, d["entries"][k], n, k) for k, t in ENTRY_COLUMNS.items()}
-    blobs = {k: _from_le(t, d["blobs"][k], nb, k) for k, t in BLOB_COLUMNS.items()}
-    name_off = _from_le("Q", d["name_off"], n + 1, "name_off")
-    parts = [PartitionInfo(str(p[0]), int(p[1]), bool(p[2])) for p in d["partitions"]]
-    names, links, zdict = d["names"], d["links"], d.get("zdict") or b""
-    if not all(isinstance(x, bytes) for x in (names, links, zdict)):
-        raise FormatError("manifest names/links/dictionary are not binary")
-    m = Manifest(
-        dataset_id=int(d["dataset_id"]),
-        options=dict(d["options"]),
-        partitions=parts,
-        entries=entries,
-        name_off=name_off,
-        names=names,
-        links=links,
-        blobs=blobs,
-        zdict=zdict,
-    )
     validate_manifest(m)
     return m
 
 
+def _from_sections(sec: dict[str, memoryview]) -> Manifest:
+    try:
+        d = msgpack.unpackb(bytes(sec["meta"]), raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several types on garbage
+        raise FormatError(f"manifest meta section is not valid msgpack: {e}") from None
+    if not isinstance(d, dict) or d.get("format") != FORMAT_VERSION:
+        got = d.get("format") if isinstance(d, dict) else d
+        raise FormatError(f"manifest meta format {got!r} unsupported")
+    raw_parts = d["partitions"]
+    if not isinstance(raw_parts, list) or len(raw_parts) > MAX_PARTITIONS:
+        raise FormatError("manifest partition table is malformed")
+    parts = [PartitionInfo(str(p[0]), int(p[1]), bool(p[2])) for p in raw_parts]
+    le = sys.byteorder == "little"
+    if not le:  # pragma: no cover
+        raise FormatError("big-endian hosts cannot map a manifest in place")
+    return Manifest(
+        dataset_id=int(d["dataset_id"]),
+        options=dict(d["options"]),
+        partitions=parts,
+        entries={k: sec[f"entries.{k}"].cast(t) for k, t in ENTRY_COLUMNS.items()},  # type: ignore[call-overload]
+        name_off=sec["name_off"].cast("Q"),
+        names=sec["names"],
+        links=sec["links"],
+        blobs={k: sec[f"blobs.{k}"].cast(t) for k, t in BLOB_COLUMNS.items()},  # type: ignore[call-overload]
+        zdict=bytes(sec["zdict"]),
+    )
+
+
 def validate_manifest(m: Manifest) -> None:
     """Refuse anything a hostile or corrupt manifest could use to escape or confuse us."""
-    e, b = m.entries, m.blobs
-    n, nb = m.n_entries, m.n_blobs
-    parent, kind, mode, size, first, count = (
-        e["parent"], e["kind"], e["mode"], e["size"], e["first"], e["count"],
-    )
-    off = m.name_off
-    if off[0] != 0 or off[n] != len(m.names):
-        raise FormatError("manifest name table is inconsistent")
-    if any(off[i] > off[i + 1] for i in range(n)):
-        raise FormatError("manifest name table is inconsistent (offsets decrease)")
-    for i, p in enumerate(m.partitions):
-        if not PARTITION_NAME_RE.fullmatch(p.name):
-            raise FormatError(f"partition {i} has an unsafe file name {p.name!r}")
-        if p.size < PARTITION_DATA_START:
-            raise FormatError(f"partition {i} size {p.size} is too small")
-    if len({p.name for p in m.partitions}) != len(m.partitions):
-        raise FormatError("duplicate partition names")
-    if kind[0] != KIND_DIR or parent[0] != 0 or off[1] != 0:
-        raise FormatError("entry 0 is not the root directory")
-    chunk = int(m.options.get("chunk_size", DEFAULT_CHUNK_SIZE))
-    if not 4096 <= chunk <= MAX_CHUNK_SIZE:
-        raise FormatError(f"chunk size {chunk} out of range")
-    children_total = 0
-    raw = b["raw"]
-    raw_before = array("Q", [0])  # prefix sums: a file's size check is O(1), not O(its blobs)
-    for j in range(nb):
-        raw_before.append(raw_before[-1] + raw[j])
-    for i in range(n):
-        k = kind[i]
-        md = mode[i]
-        if md & (stat.S_ISUID | stat.S_ISGID):
-            raise FormatError(f"entry {i} has setuid/setgid bits")
-        if k == KIND_DIR:
-            if not stat.S_ISDIR(md):
-                raise FormatError(f"entry {i}: kind/mode mismatch")
-            c0, cn = first[i], count[i]
-            if cn and (c0 <= i or c0 + cn > n):
-                raise FormatError(f"directory entry {i} has children out of range (cycle?)")
-            children_total += cn
-            prev = None
-            for j in range(c0, c0 + cn):
-                if parent[j] != i:
-                    raise FormatError(f"entry {j} is listed in directory {i} but names another parent")
-                nm = m.names[off[j] : off[j + 1]]
-                if prev is not None and nm <= prev:
-                    raise FormatError(f"directory {i} has unsorted or duplicate names ({nm!r})")
-                prev = nm
-        elif k == KIND_FILE:
-            if not stat.S_ISREG(md):
-                raise FormatError(f"entry {i}: kind/mode mismatch")
-            b0, bn = first[i], count[i]
-            if b0 + bn > nb:
-                raise FormatError(f"file entry {i} names blobs beyond the blob table")
-            if raw_before[b0 + bn] - raw_before[b0] != size[i]:
-                raise FormatError(f"file entry {i}: size {size[i]} does not match its blobs")
-        elif k == KIND_LINK:
-            if not stat.S_ISLNK(md):
-                raise FormatError(f"entry {i}: kind/mode mismatch")
-            if first[i] + size[i] > len(m.links) or size[i] == 0:
-                raise FormatError(f"symlink entry {i} target out of range")
-            if b"\0" in m.links[first[i] : first[i] + size[i]]:
-                raise FormatError(f"symlink entry {i} target contains NUL")
-        else:
-            raise FormatError(f"entry {i} has unknown kind {k}")
-        if i:
-            if parent[i] >= i or kind[parent[i]] != KIND_DIR:
-                raise FormatError(f"entry {i} has a bad parent (cycle or non-directory)")
-            nm = m.names[off[i] : off[i + 1]]
-            if not nm or nm in (b".", b"..") or b"/" in nm or b"\0" in nm or len(nm) > 255:
-                raise FormatError(f"entry {i} has an unsafe name {nm!r}")
-    if children_total != n - 1:
-        raise FormatError("directory listings do not cover every entry exactly once")
-    nparts = len(m.partitions)
-    bpart, boff, bst, braw, bcod = b["part"], b["offset"], b["stored"], b["raw"], b["codec"]
-    for j in range(nb):
-        p = bpart[j]
-        if p >= nparts:
-            raise FormatError(f"blob {j} names partition {p} of {nparts}")
-        if boff[j] < PARTITION_DATA_START or boff[j] + bst[j] > m.partitions[p].size:
-            raise FormatError(f"blob {j} lies outside partition {m.partitions[p].name}")
-        if braw[j] > chunk:
-            raise FormatError(f"blob {j} raw size {braw[j]} exceeds the chunk size")
-        c = bcod[j]
-        if c == CODEC_RAW and bst[j] != braw[j]:
-            raise FormatError(f"raw blob {j} stored size differs from raw size")
-        if c == CODEC_ZSTD_DICT and not m.zdict:
-            raise FormatError(f"blob {j} needs a dictionary the manifest lacks")
-        if c not in CODEC_NAMES:
-            raise FormatError(f"blob {j} has unknown codec {c}")
+    from ._validate import validate  # numpy is imported only where manifests are checked
+
+    validate(m)
     m._checked = True
-
-
-def write_manifest(path: str | os.PathLike[str], m: Manifest) -> None:
-    atomic_write(path, encode_manifest(m))
-
-
-def read_manifest(path: str | os.PathLike[str]) -> Manifest:
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_MANIFEST_BYTES + 1)
-    except FileNotFoundError:
-        raise FormatError(f"no manifest at {os.fspath(path)!r}") from None
-    except IsADirectoryError:
-        raise FormatError(f"{os.fspath(path)!r} is a directory, not a manifest") from None
-    return decode_manifest(data)
 
 
 def atomic_write(path: str | os.PathLike[str], data: bytes) -> None:
@@ -392,6 +461,14 @@ class BlobCodec:
         if codec == CODEC_RAW:
             raw = stored if isinstance(stored, bytes) else bytes(stored)
         else:
+            # A frame that claims more than the recorded raw length (a zstd bomb) is refused
+            # before any output is allocated; without a content size the output is capped.
+            try:
+                claimed = zstandard.frame_content_size(stored)
+            except zstandard.ZstdError as e:
+                raise ChecksumError(f"{where}: corrupt compressed blob ({e})") from None
+            if claimed > raw_len:
+                raise ChecksumError(f"{where}: frame claims {claimed} bytes, expected {raw_len}")
             try:
                 if codec == CODEC_ZSTD_DICT:
                     d = zstandard.ZstdDecompressor(dict_data=self._zdict)

@@ -52,7 +52,7 @@ class Namespace:
         return self.m.n_entries
 
     def name(self, i: int) -> bytes:
-        return self._names[self._off[i] : self._off[i + 1]]
+        return bytes(self._names[self._off[i] : self._off[i + 1]])
 
     def path(self, i: int) -> bytes:
         return self.m.path(i)
@@ -116,8 +116,7 @@ class Namespace:
     def readlink(self, i: int) -> bytes:
         if self._kind[i] != KIND_LINK:
             raise NotFound(f"entry {i} is not a symlink")
-        o = self._first[i]
-        return self.m.links[o : o + self._size[i]]
+        return self.m.link(i)
 
     def is_regular(self, i: int) -> bool:
         return stat.S_ISREG(self._mode[i])

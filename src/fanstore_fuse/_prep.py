@@ -14,9 +14,10 @@ import stat
 import threading
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import xxhash
 import zstandard
@@ -45,6 +46,8 @@ from ._format import (
 from ._perms import keep_source_access
 
 log = logging.getLogger("fanstore_fuse.prep")
+J = TypeVar("J")
+R = TypeVar("R")
 _DROP_BITS = stat.S_ISUID | stat.S_ISGID
 _PARTITION_FILE = re.compile(r"(part|bcast)-\d{5}\.fsp")
 PROBE_MIN = 32 << 10  # chunks at least this big are probed before being compressed whole
@@ -198,12 +201,11 @@ class _Packer:
         return len(c.compress(sample)) >= PROBE_RATIO * len(sample)
 
 
-def _ordered_map(
-    pool: ThreadPoolExecutor, fn: Callable[[_BlobJob], tuple[bytes, int, int, int]],
-    jobs: list[_BlobJob], window: int,
-) -> Iterator[tuple[bytes, int, int, int]]:
-    """Like pool.map but with a bounded number of results in memory."""
-    pending: deque[Future[tuple[bytes, int, int, int]]] = deque()
+def ordered_map(
+    pool: ThreadPoolExecutor, fn: Callable[[J], R], jobs: Iterable[J], window: int
+) -> Iterator[R]:
+    """Like pool.map but lazy in `jobs` and with at most `window` results in memory."""
+    pending: deque[Future[R]] = deque()
     it = iter(jobs)
     for job in it:
         pending.append(pool.submit(fn, job))
@@ -289,7 +291,7 @@ def prep(
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prep") as pool:
             ordered = [jobs[j] for j in write_order]
             for j, (data, codec, raw_len, digest) in zip(
-                write_order, _ordered_map(pool, packer, ordered, window=workers * 8)
+                write_order, ordered_map(pool, packer, ordered, window=workers * 8)
             ):
                 p = jobs[j].part
                 b_cols["part"][j] = p

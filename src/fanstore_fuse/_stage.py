@@ -9,11 +9,12 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ._errors import FanstoreError
+from ._errors import FanstoreError, FormatError
 from ._format import (
     MANIFEST_NAME,
     PARTITION_DATA_START,
     Manifest,
+    check_manifest_header,
     check_partition_header,
 )
 
@@ -124,9 +125,19 @@ def stage_in(
 
     with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="stage") as pool:
         total = sum(pool.map(one, sorted(shares)))
+    return StageResult(len(shares), total)
+
+
+def stage_manifest(dest: str, local_dir: str) -> str:
+    """Copy DEST's manifest into `local_dir` and return the copy's path: the daemon maps the
+    copy, which nobody else can truncate under it."""
+    src, dst = os.path.join(dest, MANIFEST_NAME), os.path.join(local_dir, MANIFEST_NAME)
+    check_manifest_header(src)  # a header that lies about the size is refused before copying
     try:
-        shutil.copyfile(os.path.join(dest, MANIFEST_NAME), os.path.join(local_dir, MANIFEST_NAME))
+        shutil.copyfile(src, dst)
+    except (FileNotFoundError, IsADirectoryError):
+        raise FormatError(f"no manifest at {src!r}") from None
     except OSError as e:
         code = "ENOSPC" if e.errno == errno.ENOSPC else e.strerror
         raise FanstoreError(f"copying the manifest to {local_dir}: {code}") from None
-    return StageResult(len(shares), total)
+    return dst

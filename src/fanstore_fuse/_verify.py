@@ -1,16 +1,27 @@
-"""`verify`: check the manifest and every blob's checksum in a prepped DEST."""
+"""`verify`: check the manifest and every blob's checksum in a prepped DEST.
+
+Streaming: blobs are checked in a bounded window of a thread pool, walked file by file from the
+mapped manifest, so memory does not grow with the file count.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ._blobstore import BlobStore
 from ._errors import FanstoreError
-from ._format import MANIFEST_NAME, PARTITION_DATA_START, check_partition_header, read_manifest
+from ._format import (
+    KIND_FILE,
+    MANIFEST_NAME,
+    PARTITION_DATA_START,
+    check_partition_header,
+    read_manifest,
+)
 from ._namespace import Namespace
+from ._prep import ordered_map
 
 
 @dataclass
@@ -32,10 +43,6 @@ def verify(
     m = read_manifest(os.path.join(dest, MANIFEST_NAME))
     ns = Namespace(m)
     rep = VerifyReport(entries=m.n_entries, blobs=m.n_blobs)
-    owner: dict[int, int] = {}
-    for i in range(len(ns)):
-        for b in ns.blobs(i):
-            owner[b] = i
     for p, info in enumerate(m.partitions):
         path = os.path.join(dest, info.name)
         try:
@@ -49,22 +56,29 @@ def verify(
         except FanstoreError as e:
             rep.problems.append(str(e))
     store = BlobStore(m, dest)
+    kinds = m.entries["kind"]
 
-    def check(b: int) -> str | None:
+    def jobs() -> Iterator[tuple[int, int]]:  # (file entry, blob), blobs in id order
+        for i in range(m.n_entries):
+            if kinds[i] == KIND_FILE:
+                for b in ns.blobs(i):
+                    yield i, b
+
+    def check(job: tuple[int, int]) -> str | None:
+        i, b = job
         try:
             store.raw(b)
         except FanstoreError as e:
-            f = owner.get(b)
-            who = os.fsdecode(ns.path(f)) if f is not None else "(no file)"
-            return f"{who}: {e}"
+            return f"{os.fsdecode(ns.path(i))}: {e}"
         finally:
             if progress:
                 progress(store.raw_size(b))
         return None
 
+    n = workers or (os.cpu_count() or 1)
     try:
-        with ThreadPoolExecutor(max_workers=workers or (os.cpu_count() or 1)) as pool:
-            for res in pool.map(check, range(m.n_blobs), chunksize=64):
+        with ThreadPoolExecutor(max_workers=n) as pool:
+            for res in ordered_map(pool, check, jobs(), window=n * 8):
                 if res:
                     rep.problems.append(res)
     finally:

@@ -1,0 +1,251 @@
+"""Full validation of a manifest, vectorized over its columns (numpy, in bounded chunks).
+
+Every rule of docs/format.md "Validation" is checked here in O(entries + blobs) numpy work and
+bounded temporaries (chunks of at most `CHUNK` items), so a 14M-entry manifest validates in
+about a second without a per-entry Python object. The first offending entry or blob is named.
+"""
+
+from __future__ import annotations
+
+import stat
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from ._errors import FormatError
+from ._format import (
+    BLOB_COLUMNS,
+    CODEC_RAW,
+    CODEC_ZSTD_DICT,
+    DEFAULT_CHUNK_SIZE,
+    ENTRY_COLUMNS,
+    KIND_DIR,
+    KIND_FILE,
+    KIND_LINK,
+    MAX_CHUNK_SIZE,
+    MAX_LINK,
+    MAX_NAME,
+    PARTITION_DATA_START,
+    PARTITION_NAME_RE,
+    Manifest,
+)
+
+CHUNK = 1 << 18
+_DTYPE = {"B": "<u1", "I": "<u4", "q": "<i8", "Q": "<u8"}
+_IFMT = np.array([stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK], dtype=np.uint32)
+
+
+def _col(buf: Any, typecode: str, n: int, what: str) -> np.ndarray:
+    a = np.frombuffer(memoryview(buf).cast("B"), dtype=_DTYPE[typecode])
+    if len(a) != n:
+        raise FormatError(f"manifest column {what!r} has {len(a)} items, expected {n}")
+    return a
+
+
+def _chunks(lo: int, hi: int) -> Iterator[tuple[int, int]]:
+    for a in range(lo, hi, CHUNK):
+        yield a, min(a + CHUNK, hi)
+
+
+def _first(mask: np.ndarray, base: int = 0) -> int | None:
+    hit = np.flatnonzero(mask)
+    return int(hit[0]) + base if len(hit) else None
+
+
+def _fail_at(mask: np.ndarray, base: int, msg: str) -> None:
+    i = _first(mask, base)
+    if i is not None:
+        raise FormatError(msg.format(i=i))
+
+
+def validate(m: Manifest) -> None:
+    n, nb = m.n_entries, m.n_blobs
+    e = {k: _col(m.entries[k], t, n, k) for k, t in ENTRY_COLUMNS.items()}
+    b = {k: _col(m.blobs[k], t, nb, k) for k, t in BLOB_COLUMNS.items()}
+    off = _col(m.name_off, "Q", n + 1, "name_off")
+    names = np.frombuffer(memoryview(m.names).cast("B"), dtype=np.uint8)
+    links = np.frombuffer(memoryview(m.links).cast("B"), dtype=np.uint8)
+    _name_table(off, len(names), n)
+    chunk = _partitions_and_options(m)
+    _root_and_kinds(e, n)
+    _tree(e, n)
+    _names(off, names, n)
+    _sorted(e["parent"], off, names, n)
+    _blobs(m, b, chunk, nb)
+    _files(e, b["raw"], n, nb)
+    _links(e, len(links), n)
+    if len(links) and _first(links == 0) is not None:
+        raise FormatError("a symlink target contains NUL")
+
+
+def _name_table(off: np.ndarray, heap: int, n: int) -> None:
+    if off[0] != 0 or off[n] != heap:
+        raise FormatError("manifest name table is inconsistent")
+    for a, z in _chunks(0, n):
+        _fail_at(off[a + 1 : z + 1] < off[a:z], a,
+                 "manifest name table is inconsistent (offsets decrease at entry {i})")
+
+
+def _partitions_and_options(m: Manifest) -> int:
+    for i, p in enumerate(m.partitions):
+        if not PARTITION_NAME_RE.fullmatch(p.name):
+            raise FormatError(f"partition {i} has an unsafe file name {p.name!r}")
+        if p.size < PARTITION_DATA_START:
+            raise FormatError(f"partition {i} size {p.size} is too small")
+    if len({p.name for p in m.partitions}) != len(m.partitions):
+        raise FormatError("duplicate partition names")
+    chunk = int(m.options.get("chunk_size", DEFAULT_CHUNK_SIZE))
+    if not 4096 <= chunk <= MAX_CHUNK_SIZE:
+        raise FormatError(f"chunk size {chunk} out of range")
+    return chunk
+
+
+def _root_and_kinds(e: dict[str, np.ndarray], n: int) -> None:
+    kind, mode = e["kind"], e["mode"]
+    if kind[0] != KIND_DIR or e["parent"][0] != 0 or not stat.S_ISDIR(int(mode[0])):
+        raise FormatError("entry 0 is not the root directory")
+    for a, z in _chunks(0, n):
+        k, md = kind[a:z], mode[a:z]
+        _fail_at(k > KIND_LINK, a, "entry {i} has an unknown kind")
+        _fail_at(md & (stat.S_ISUID | stat.S_ISGID), a, "entry {i} has setuid/setgid bits")
+        _fail_at((md & 0o170000) != _IFMT[k], a, "entry {i}: kind/mode mismatch")
+
+
+def _tree(e: dict[str, np.ndarray], n: int) -> None:
+    """Parents come first and are directories; each directory's children are a range after it
+    that holds exactly the entries naming it as parent; the ranges cover every entry once."""
+    parent, kind, first, count = e["parent"], e["kind"], e["first"], e["count"]
+    total = 0
+    for a, z in _chunks(0, n):
+        idx = np.arange(a, z, dtype=np.uint64)
+        if a == 0:
+            idx, p = idx[1:], parent[1:z]
+        else:
+            p = parent[a:z]
+        bad = (p >= idx) | (kind[np.minimum(p, n - 1)] != KIND_DIR)
+        _fail_at(bad, max(a, 1), "entry {i} has a bad parent (cycle or non-directory)")
+        is_dir = kind[a:z] == KIND_DIR
+        f, c = first[a:z], count[a:z].astype(np.uint64)
+        here = np.arange(a, z, dtype=np.uint64)
+        bad = is_dir & (c > 0) & ((f <= here) | (f > n) | (c > np.uint64(n) - np.minimum(f, n)))
+        _fail_at(bad, a, "directory entry {i} has children out of range (cycle?)")
+        total += int(c[is_dir].sum())
+    if total != n - 1:
+        raise FormatError("directory listings do not cover every entry exactly once")
+    for a, z in _chunks(1, n):
+        p = parent[a:z]
+        j = np.arange(a, z, dtype=np.uint64)
+        f = first[p]
+        bad = (j < f) | (j >= f + count[p])
+        _fail_at(bad, a, "entry {i} is not in its parent directory's listing")
+
+
+def _names(off: np.ndarray, names: np.ndarray, n: int) -> None:
+    if len(names):
+        for a, z in _chunks(0, len(names)):
+            h = names[a:z]
+            pos = _first((h == ord("/")) | (h == 0), a)
+            if pos is not None:
+                i = int(np.searchsorted(off, pos, side="right")) - 1
+                raise FormatError(f"entry {i} has an unsafe name (contains / or NUL)")
+    for a, z in _chunks(1, n):
+        s, ln = off[a:z], off[a + 1 : z + 1] - off[a:z]
+        _fail_at((ln == 0) | (ln > MAX_NAME), a, "entry {i} has an unsafe name (length)")
+        dot = ln <= 2
+        if dot.any():
+            s1 = s[dot]
+            b0 = names[s1] == ord(".")
+            b1 = np.where(ln[dot] == 2, names[np.minimum(s1 + 1, len(names) - 1)] == ord("."), True)
+            bad = np.zeros(z - a, dtype=bool)
+            bad[dot] = b0 & b1
+            _fail_at(bad, a, "entry {i} has an unsafe name ('.' or '..')")
+
+
+def _key8(names: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Bytes start..start+8 of each name as a big-endian u64 (zero past the name's end)."""
+    idx = start[:, None] + np.arange(8, dtype=np.int64)
+    vals = np.where(idx < end[:, None], names[np.minimum(idx, len(names) - 1)], 0)
+    return np.ascontiguousarray(vals.astype(np.uint8)).view(">u8").ravel()
+
+
+def _sorted(parent: np.ndarray, off: np.ndarray, names: np.ndarray, n: int) -> None:
+    """Adjacent siblings strictly increase by name bytes (8 bytes compared per round)."""
+    offs = off.astype(np.int64)
+    for a, z in _chunks(1, n - 1):
+        j = np.arange(a, z, dtype=np.int64)
+        j = j[parent[a:z] == parent[a + 1 : z + 1]]
+        sa, ea, eb = offs[j], offs[j + 1], offs[j + 2]
+        sb = ea
+        pos = 0
+        while len(j):
+            ka, kb = _key8(names, sa + pos, ea), _key8(names, sb + pos, eb)
+            bad = _first(ka > kb)
+            if bad is not None:
+                raise FormatError(f"directory {int(parent[j[bad]])} has unsorted names at entry {j[bad]}")
+            tie = ka == kb
+            done = tie & (sa + pos + 8 >= ea) & (sb + pos + 8 >= eb)
+            if done.any():
+                d = int(j[_first(done)])
+                raise FormatError(f"directory {int(parent[d])} has duplicate names at entry {d}")
+            j, sa, ea, sb, eb = j[tie], sa[tie], ea[tie], sb[tie], eb[tie]
+            pos += 8
+
+
+def _blobs(m: Manifest, b: dict[str, np.ndarray], chunk: int, nb: int) -> None:
+    nparts = len(m.partitions)
+    psize = np.array([p.size for p in m.partitions] or [0], dtype=np.uint64)
+    for a, z in _chunks(0, nb):
+        part, off = b["part"][a:z], b["offset"][a:z]
+        st, raw, cod = b["stored"][a:z].astype(np.uint64), b["raw"][a:z], b["codec"][a:z]
+        i = _first(part >= nparts, a)
+        if i is not None:
+            raise FormatError(f"blob {i} names partition {int(b['part'][i])} of {nparts}")
+        ps = psize[np.minimum(part, max(nparts - 1, 0))]
+        _fail_at((off < PARTITION_DATA_START) | (off > ps) | (st > ps - np.minimum(off, ps)), a,
+                 "blob {i} lies outside its partition")
+        _fail_at(raw > chunk, a, "blob {i} raw size exceeds the chunk size")
+        _fail_at(cod > CODEC_ZSTD_DICT, a, "blob {i} has an unknown codec")
+        _fail_at((cod == CODEC_RAW) & (st != raw), a, "raw blob {i} stored size differs from raw size")
+        if not m.zdict:
+            _fail_at(cod == CODEC_ZSTD_DICT, a, "blob {i} needs a dictionary the manifest lacks")
+
+
+def _files(e: dict[str, np.ndarray], raw: np.ndarray, n: int, nb: int) -> None:
+    """Files' blob ranges tile the blob table in entry order; each file's blobs sum to its size."""
+    kind, first, count, size = e["kind"], e["first"], e["count"], e["size"]
+    nxt = 0  # the blob the next file must start at
+    done = np.uint64(0)  # raw bytes of blobs before `nxt`
+    for a, z in _chunks(0, n):
+        f = np.flatnonzero(kind[a:z] == KIND_FILE) + a
+        if not len(f):
+            continue
+        b0, c = first[f], count[f].astype(np.uint64)
+        bad = _first((b0 > nb) | (c > np.uint64(nb) - np.minimum(b0, nb)))
+        if bad is not None:
+            raise FormatError(f"file entry {int(f[bad])} names blobs beyond the blob table")
+        ends = b0 + c
+        starts = np.concatenate(([np.uint64(nxt)], ends[:-1]))
+        bad = _first(b0 != starts)
+        if bad is not None:
+            raise FormatError(f"file entry {int(f[bad])}: its blobs do not follow the previous "
+                              "file's (blob ranges must tile the blob table)")
+        end = int(ends[-1])
+        csum = np.concatenate(([done], done + np.cumsum(raw[nxt:end], dtype=np.uint64)))
+        got = csum[(ends - np.uint64(nxt)).astype(np.int64)] - csum[(b0 - np.uint64(nxt)).astype(np.int64)]
+        bad = _first(got != size[f])
+        if bad is not None:
+            i = int(f[bad])
+            raise FormatError(f"file entry {i}: size {int(size[i])} does not match its blobs")
+        nxt, done = end, csum[-1]
+    if nxt != nb:
+        raise FormatError(f"blobs {nxt}..{nb - 1} belong to no file")
+
+
+def _links(e: dict[str, np.ndarray], heap: int, n: int) -> None:
+    kind, first, size = e["kind"], e["first"], e["size"]
+    for a, z in _chunks(0, n):
+        is_link = kind[a:z] == KIND_LINK
+        f, s = first[a:z], size[a:z]
+        bad = is_link & ((s == 0) | (s > MAX_LINK) | (f > heap) | (s > np.uint64(heap) - np.minimum(f, heap)))
+        _fail_at(bad, a, "symlink entry {i} target out of range")
