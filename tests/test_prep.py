@@ -283,3 +283,32 @@ def test_reprep_with_fewer_partitions_removes_stale_ones(tmp_path: Path):
     prep(src, dest, PrepOptions(partitions=2))
     assert sorted(p.name for p in dest.glob("*.fsp")) == ["part-00000.fsp", "part-00001.fsp"]
     assert verify(str(dest)).ok
+
+
+def test_path_over_path_max_is_skipped_with_a_warning(tmp_path: Path, caplog):
+    """mksquashfs-like: an entry whose source path reaches PATH_MAX is left out with a warning;
+    everything else is packed (before, prep failed as a whole with ENAMETOOLONG)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "ok.txt").write_bytes(b"fine")
+    fd = os.open(src, os.O_RDONLY)
+    depth = 0
+    try:
+        while len(os.fsencode(src)) + depth * 201 < 4200:  # build below PATH_MAX with dir fds
+            os.mkdir("d" * 200, dir_fd=fd)
+            nfd = os.open("d" * 200, os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+            depth += 1
+            with open(os.open("leaf", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd), "wb") as f:
+                f.write(b"x" * depth)
+    finally:
+        os.close(fd)
+    with caplog.at_level(logging.WARNING, logger="fanstore_fuse.prep"):
+        res = prep(src, tmp_path / "dest", PrepOptions(partitions=1))
+    assert res.skipped >= 1
+    assert any("PATH_MAX" in r.getMessage() for r in caplog.records)
+    assert _read(tmp_path / "dest", b"ok.txt") == b"fine"
+    deep = b"/".join([b"d" * 200] * 3) + b"/leaf"
+    assert _read(tmp_path / "dest", deep) == b"xxx"
+    assert verify(str(tmp_path / "dest")).ok

@@ -6,11 +6,10 @@ sorted, blob order is fixed, zstd is single-threaded per blob).
 
 from __future__ import annotations
 
-import fnmatch
+import itertools
 import logging
 import os
 import re
-import stat
 import threading
 from array import array
 from collections import deque
@@ -19,7 +18,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-import xxhash
 import zstandard
 
 from ._errors import FanstoreError
@@ -28,8 +26,6 @@ from ._format import (
     CODEC_RAW,
     CODEC_ZSTD,
     DEFAULT_CHUNK_SIZE,
-    ENTRY_COLUMNS,
-    HASH_SEED,
     KIND_DIR,
     KIND_FILE,
     KIND_LINK,
@@ -44,11 +40,11 @@ from ._format import (
     write_manifest,
 )
 from ._perms import keep_source_access
+from ._walk import Listing, walk
 
 log = logging.getLogger("fanstore_fuse.prep")
 J = TypeVar("J")
 R = TypeVar("R")
-_DROP_BITS = stat.S_ISUID | stat.S_ISGID
 _PARTITION_FILE = re.compile(r"(part|bcast)-\d{5}\.fsp")
 PROBE_MIN = 32 << 10  # chunks at least this big are probed before being compressed whole
 PROBE_RATIO = 0.97  # samples that do not shrink below this fraction mark a chunk incompressible
@@ -88,77 +84,13 @@ class PrepResult:
 
 
 @dataclass
-class _Entry:
-    src: bytes
-    name: bytes
-    parent: int
-    kind: int
-    st: os.stat_result
-    link: bytes = b""
-    first: int = 0
-    count: int = 0
-
-
-def _walk(src: bytes, exclude: tuple[int, int] | None = None) -> tuple[list[_Entry], int]:
-    """Breadth-first walk; each directory's children sorted by name and contiguous.
-    `exclude` is the (st_dev, st_ino) of a directory to leave out (DEST inside SRC)."""
-    st = os.lstat(src)
-    if not stat.S_ISDIR(st.st_mode):
-        raise FanstoreError(f"source {os.fsdecode(src)!r} is not a directory")
-    out = [_Entry(src, b"", 0, KIND_DIR, st)]
-    skipped = 0
-    i = 0
-    while i < len(out):
-        e = out[i]
-        if e.kind == KIND_DIR:
-            kids: list[_Entry] = []
-            with os.scandir(e.src) as it:
-                for de in it:
-                    cst = de.stat(follow_symlinks=False)
-                    m = cst.st_mode
-                    if stat.S_ISDIR(m):
-                        if exclude == (cst.st_dev, cst.st_ino):
-                            log.warning("leaving out %s: it is the output directory",
-                                        os.fsdecode(de.path))
-                            continue
-                        kids.append(_Entry(de.path, de.name, i, KIND_DIR, cst))
-                    elif stat.S_ISREG(m):
-                        kids.append(_Entry(de.path, de.name, i, KIND_FILE, cst))
-                    elif stat.S_ISLNK(m):
-                        kids.append(_Entry(de.path, de.name, i, KIND_LINK, cst, os.readlink(de.path)))
-                    else:
-                        skipped += 1
-                        log.warning("skipping special file %s", os.fsdecode(de.path))
-            kids.sort(key=lambda k: k.name)
-            e.first, e.count = len(out), len(kids)
-            out.extend(kids)
-        i += 1
-    return out, skipped
-
-
-def _rel_paths(entries: list[_Entry]) -> list[bytes]:
-    rel = [b""] * len(entries)
-    for i in range(1, len(entries)):
-        p = rel[entries[i].parent]
-        rel[i] = p + b"/" + entries[i].name if p else entries[i].name
-    return rel
-
-
-def _is_broadcast(rel: bytes, globs: list[str]) -> bool:
-    if not globs:
-        return False
-    s = os.fsdecode(rel)
-    parts = s.split("/")
-    prefixes = ["/".join(parts[: k + 1]) for k in range(len(parts))]
-    return any(fnmatch.fnmatchcase(p, g) for g in globs for p in prefixes)
-
-
-@dataclass
 class _BlobJob:
     src: bytes
     offset: int
     length: int
     part: int
+    blob: int
+    last: bool  # the file's last blob
 
 
 class _Packer:
@@ -218,6 +150,29 @@ def ordered_map(
             pending.append(pool.submit(fn, nxt))
 
 
+def _jobs(w: Listing, nparts: int, broadcast: bool) -> Iterator[_BlobJob]:
+    """Blob jobs in write order, lazily: normal files cut into `nparts` contiguous runs by
+    bytes (entry order), or (broadcast=True) the broadcast files, all in partition `nparts`."""
+    kind, size, first = w.cols["kind"], w.cols["size"], w.cols["first"]
+    target = max(1, -(-w.normal_bytes // nparts))
+    chunk = w.chunk
+    acc = 0
+    for i in range(len(w)):
+        if kind[i] != KIND_FILE or bool(w.bcast[i]) != broadcast:
+            continue
+        n = size[i]
+        if broadcast:
+            p = nparts
+        else:
+            p = min(nparts - 1, acc // target)
+            acc += n
+        if not n:
+            continue
+        src, b = w.source(i), first[i]
+        for k, off in enumerate(range(0, n, chunk)):
+            yield _BlobJob(src, off, min(chunk, n - off), p, b + k, off + chunk >= n)
+
+
 @keep_source_access
 def prep(
     src: str | os.PathLike[str],
@@ -225,55 +180,27 @@ def prep(
     options: PrepOptions | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> PrepResult:
-    """Pack the tree at `src` into `dest`. `progress(files_done, bytes_done)` is called often."""
+    """Pack the tree at `src` into `dest`. `progress(files_done, bytes_done)` is called often.
+    Memory: compact columns (~45 bytes + the name per entry) and a bounded window of chunks."""
     opts = options or PrepOptions()
     opts.check()
     src_b = os.fsencode(os.path.abspath(src))
     dest_s = os.fspath(dest)
     os.makedirs(dest_s, exist_ok=True)
     dst = os.stat(dest_s)
-    entries, skipped = _walk(src_b, exclude=(dst.st_dev, dst.st_ino))
-    rel = _rel_paths(entries)
-    n = len(entries)
-
-    # Dataset identity: a stable hash of the listing and the options that shape the output.
-    h = xxhash.xxh3_64(seed=HASH_SEED)
-    h.update(repr((opts.partitions, opts.codec, opts.level, opts.chunk_size, opts.broadcast)).encode())
-    for e, r in zip(entries, rel):
-        h.update(r + b"\0" + repr((e.kind, e.st.st_size, e.st.st_mtime_ns, e.st.st_mode)).encode())
-    dataset_id = h.intdigest()
-
-    # Partition plan: regular files cut into contiguous partitions by bytes; broadcast files last.
-    files = [i for i in range(n) if entries[i].kind == KIND_FILE]
-    bcast = {i for i in files if _is_broadcast(rel[i], opts.broadcast)}
-    normal_total = sum(entries[i].st.st_size for i in files if i not in bcast)
+    # Dataset identity: a stable hash of the options that shape the output and the listing.
+    salt = repr((opts.partitions, opts.codec, opts.level, opts.chunk_size, opts.broadcast)).encode()
+    w = walk(src_b, opts.chunk_size, opts.broadcast, exclude=(dst.st_dev, dst.st_ino), salt=salt)
+    dataset_id = w.hasher.intdigest()
+    kinds = w.cols["kind"]
+    n_files = sum(1 for k in kinds if k == KIND_FILE)
     nparts = opts.partitions
-    target = max(1, -(-normal_total // nparts))
-    part_of: dict[int, int] = {}
-    acc = 0
-    for i in files:
-        if i in bcast:
-            part_of[i] = nparts
-        else:
-            part_of[i] = min(nparts - 1, acc // target)
-            acc += entries[i].st.st_size
-    has_bcast = bool(bcast)
+    has_bcast = any(w.bcast)
     part_names = [partition_name(p) for p in range(nparts)]
     if has_bcast:
         part_names.append(partition_name(nparts, broadcast=True))
 
-    # Blob ids follow entry order, so a file's blobs are contiguous.
-    jobs: list[_BlobJob] = []
-    for i in files:
-        e = entries[i]
-        e.first = len(jobs)
-        size = e.st.st_size
-        for off in range(0, size, opts.chunk_size):
-            jobs.append(_BlobJob(e.src, off, min(opts.chunk_size, size - off), part_of[i]))
-        e.count = len(jobs) - e.first
-    write_order = sorted(range(len(jobs)), key=lambda j: jobs[j].part)  # stable: id order
-
-    nb = len(jobs)
+    nb = w.n_blobs
     b_cols = {k: array(t, bytes(array(t).itemsize * nb)) for k, t in BLOB_COLUMNS.items()}
     part_sizes = [PARTITION_DATA_START] * len(part_names)
     tmp_names = [os.path.join(dest_s, nm + ".tmp") for nm in part_names]
@@ -281,19 +208,17 @@ def prep(
     workers = opts.workers or (os.cpu_count() or 1)
     packer = _Packer(opts.codec, opts.level)
     files_done = bytes_done = stored_total = 0
-    blob_file = {}
-    for i in files:
-        for j in range(entries[i].first, entries[i].first + entries[i].count):
-            blob_file[j] = i
+    jobs = _jobs(w, nparts, False)
+    if has_bcast:
+        jobs = itertools.chain(jobs, _jobs(w, nparts, True))
     try:
         for p, f in enumerate(handles):
             f.write(partition_header(p, dataset_id, has_bcast and p == nparts))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prep") as pool:
-            ordered = [jobs[j] for j in write_order]
-            for j, (data, codec, raw_len, digest) in zip(
-                write_order, ordered_map(pool, packer, ordered, window=workers * 8)
+            for job, (data, codec, raw_len, digest) in ordered_map(
+                pool, lambda j: (j, packer(j)), jobs, window=workers * 8
             ):
-                p = jobs[j].part
+                p, j = job.part, job.blob
                 b_cols["part"][j] = p
                 b_cols["offset"][j] = part_sizes[p]
                 b_cols["stored"][j] = len(data)
@@ -304,9 +229,7 @@ def prep(
                 part_sizes[p] += len(data)
                 stored_total += len(data)
                 bytes_done += raw_len
-                fi = blob_file[j]
-                if j == entries[fi].first + entries[fi].count - 1:
-                    files_done += 1
+                files_done += job.last
                 if progress:
                     progress(files_done, bytes_done)
         for f in handles:
@@ -322,31 +245,8 @@ def prep(
             os.unlink(os.path.join(dest_s, old))
     # Files with no blobs (empty) count as done too.
     if progress:
-        progress(len(files), bytes_done)
+        progress(n_files, bytes_done)
 
-    cols = {k: array(t) for k, t in ENTRY_COLUMNS.items()}
-    name_off = array("Q", [0])
-    names = bytearray()
-    links = bytearray()
-    for e in entries:
-        st = e.st
-        cols["parent"].append(e.parent)
-        cols["kind"].append(e.kind)
-        cols["mode"].append(st.st_mode & ~_DROP_BITS)
-        cols["uid"].append(st.st_uid)
-        cols["gid"].append(st.st_gid)
-        cols["mtime_ns"].append(st.st_mtime_ns)
-        if e.kind == KIND_LINK:
-            cols["size"].append(len(e.link))
-            cols["first"].append(len(links))
-            cols["count"].append(0)
-            links += e.link
-        else:
-            cols["size"].append(st.st_size)
-            cols["first"].append(e.first)
-            cols["count"].append(e.count)
-        names += e.name
-        name_off.append(len(names))
     manifest = Manifest(
         dataset_id=dataset_id,
         options={
@@ -360,20 +260,19 @@ def prep(
             PartitionInfo(nm, sz, has_bcast and p == nparts)
             for p, (nm, sz) in enumerate(zip(part_names, part_sizes))
         ],
-        entries=cols,
-        name_off=name_off,
-        names=bytes(names),
-        links=bytes(links),
+        entries=w.cols,
+        name_off=w.name_off,
+        names=w.names,
+        links=w.links,
         blobs=b_cols,
     )
     write_manifest(os.path.join(dest_s, MANIFEST_NAME), manifest)
-    kinds = cols["kind"]
     return PrepResult(
         manifest=manifest,
-        files=len(files),
+        files=n_files,
         dirs=sum(1 for k in kinds if k == KIND_DIR),
         symlinks=sum(1 for k in kinds if k == KIND_LINK),
-        skipped=skipped,
+        skipped=w.skipped,
         raw_bytes=bytes_done,
         stored_bytes=stored_total,
     )
