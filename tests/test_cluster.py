@@ -18,6 +18,7 @@ from _harness import (
 
 from fanstore_fuse._format import MANIFEST_NAME, read_manifest
 from fanstore_fuse._ring import Placement
+from fanstore_fuse._stage import plan_dense
 
 pytestmark = [pytest.mark.mount, pytest.mark.mpi]
 
@@ -98,12 +99,14 @@ def test_replicas_survive_a_corrupt_and_a_missing_copy(src_tree, tmp_path, mount
                       local=str(tmp_path / "local" / "{rank}"), extra_args=["--replicas", "2"])
     man = read_manifest(dest / MANIFEST_NAME)
     pl = Placement(3, 2)
+    # Where each rank packed its blobs (dense local copies: the daemon's own plan).
+    dense = [plan_dense(man, pl.blobs_for_rank(r, man.n_blobs))[1] for r in range(3)]
     # Damage the primary copy of every blob, in place on its holder's SSD: flip a byte of each.
     for b in range(man.n_blobs):
         primary = pl.locate_data(b)[0]
         part = _local_partition_with(tmp_path, man, b, primary)
         with open(part, "r+b") as f:
-            off = man.blobs["offset"][b] + man.blobs["stored"][b] // 2
+            off = dense[primary].offset(b) + man.blobs["stored"][b] // 2
             f.seek(off)
             byte = f.read(1)
             f.seek(off)

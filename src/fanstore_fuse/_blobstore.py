@@ -6,11 +6,29 @@ import errno
 import logging
 import os
 import threading
+from array import array
+from bisect import bisect_left
+from dataclasses import dataclass
 
 from ._errors import ChecksumError
 from ._format import BlobCodec, Manifest
 
 log = logging.getLogger("fanstore_fuse.blobs")
+
+
+@dataclass
+class DenseMap:
+    """Where a rank's blobs lie in its densely packed local copies of the partitions in
+    `parts`: blob `ids[k]` (ascending) is at local offset `offs[k]`. Other partitions are whole
+    copies (same offsets as DEST)."""
+
+    ids: array
+    offs: array
+    parts: frozenset[int]
+
+    def offset(self, blob: int) -> int | None:
+        k = bisect_left(self.ids, blob)
+        return self.offs[k] if k < len(self.ids) and self.ids[k] == blob else None
 
 
 class BlobStore:
@@ -20,9 +38,10 @@ class BlobStore:
     returns decoded, checksum-verified bytes. Missing or short partitions raise ChecksumError.
     """
 
-    def __init__(self, manifest: Manifest, local_dir: str):
+    def __init__(self, manifest: Manifest, local_dir: str, dense: DenseMap | None = None):
         self.m = manifest
         self.local_dir = local_dir
+        self.dense = dense
         self.codec = BlobCodec(manifest.zdict)
         b = manifest.blobs
         self._part, self._off, self._stored = b["part"], b["offset"], b["stored"]
@@ -34,6 +53,15 @@ class BlobStore:
     def where(self, blob: int) -> str:
         p = self._part[blob]
         return f"blob {blob} (partition {self.m.partitions[p].name}, offset {self._off[blob]})"
+
+    def _offset(self, blob: int) -> int:
+        d = self.dense
+        if d is None or self._part[blob] not in d.parts:
+            return self._off[blob]
+        off = d.offset(blob)
+        if off is None:
+            raise ChecksumError(f"{self.where(blob)}: not held in this rank's local copy")
+        return off
 
     def stored_size(self, blob: int) -> int:
         return self._stored[blob]
@@ -60,7 +88,7 @@ class BlobStore:
     def stored(self, blob: int) -> bytes:
         n = self._stored[blob]
         try:
-            data = os.pread(self._fd(self._part[blob]), n, self._off[blob])
+            data = os.pread(self._fd(self._part[blob]), n, self._offset(blob))
         except OSError as e:
             raise ChecksumError(f"{self.where(blob)}: read failed: {e.strerror}") from None
         if len(data) != n:
@@ -75,7 +103,7 @@ class BlobStore:
         n = self._stored[blob]
         buf = bytearray(n)
         try:
-            k = os.preadv(self._fd(self._part[blob]), [buf], self._off[blob], os.RWF_NOWAIT)
+            k = os.preadv(self._fd(self._part[blob]), [buf], self._offset(blob), os.RWF_NOWAIT)
         except BlockingIOError:
             return None
         except OSError as e:
@@ -88,7 +116,7 @@ class BlobStore:
     def stored_into(self, blob: int, buf: memoryview) -> None:
         """Read the stored bytes of `blob` into `buf` (exactly its stored size), no extra copy."""
         try:
-            n = os.preadv(self._fd(self._part[blob]), [buf], self._off[blob])
+            n = os.preadv(self._fd(self._part[blob]), [buf], self._offset(blob))
         except OSError as e:
             raise ChecksumError(f"{self.where(blob)}: read failed: {e.strerror}") from None
         if n != len(buf):

@@ -34,7 +34,7 @@ from ._namespace import Namespace
 from ._node import LocalBlobSource, Node, Stats
 from ._ring import Placement
 from ._safepath import open_private
-from ._stage import Ranges, stage_in, stage_manifest
+from ._stage import Ranges, plan_dense, stage_in, stage_manifest
 from ._writes import WriteStore
 
 log = logging.getLogger("fanstore_fuse.daemon")
@@ -165,18 +165,13 @@ def _setup(cfg: MountConfig, rank: int, nranks: int, m: _Mounted) -> Placement:
         nranks, cfg.replicas, is_broadcast=lambda b: parts[bpart[b]].broadcast
     )
     shares: dict[int, Ranges | None] | None
+    dense = None
     if nranks == 1:
         shares = None
         held = list(range(manifest.n_blobs))
     else:
         held = placement.blobs_for_rank(rank, manifest.n_blobs)
-        shares = {p: (None if info.broadcast else []) for p, info in enumerate(parts)}
-        off, stored = manifest.blobs["offset"], manifest.blobs["stored"]
-        for b in held:
-            r = shares[bpart[b]]
-            if r is not None:
-                r.append((off[b], stored[b]))
-        shares = {p: r for p, r in shares.items() if r is None or r}
+        shares, dense = plan_dense(manifest, held)
     total = sum(parts[p].size if r is None else sum(n for _, n in r)
                 for p, r in (shares or {p: None for p in range(len(parts))}).items())
     progress = _progress_writer(cfg.progress_file, total) if rank == 0 else None
@@ -191,7 +186,7 @@ def _setup(cfg: MountConfig, rank: int, nranks: int, m: _Mounted) -> Placement:
     }
     log.info("rank %d staged %d partitions, %d bytes into %s in %.3f s (%.0f MB/s)", rank,
              res.partitions, res.bytes, m.local, dt, res.bytes / max(dt, 1e-9) / 1e6)
-    m.store = BlobStore(manifest, m.local)
+    m.store = BlobStore(manifest, m.local, dense)
     if cfg.writable:
         m.writes = WriteStore(m.local, rank, cfg.write_quota)
     return placement

@@ -5,10 +5,12 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from array import array
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ._blobstore import DenseMap
 from ._errors import FanstoreError, FormatError
 from ._format import (
     MANIFEST_NAME,
@@ -27,17 +29,6 @@ class StageResult:
     bytes: int
 
 
-def coalesce(ranges: Iterable[tuple[int, int]]) -> Ranges:
-    out: Ranges = []
-    for off, n in sorted(ranges):
-        if out and off <= out[-1][0] + out[-1][1]:
-            o, m = out[-1]
-            out[-1] = (o, max(m, off + n - o))
-        else:
-            out.append((off, n))
-    return out
-
-
 def _copy_range(src_fd: int, dst_fd: int, off: int, n: int) -> None:
     end = off + n
     while off < end:
@@ -53,8 +44,33 @@ def _copy_range(src_fd: int, dst_fd: int, off: int, n: int) -> None:
         off += k
 
 
+def _copy_dense(sfd: int, dfd: int, ranges: Ranges, gap: int = 64 << 10, window: int = 8 << 20) -> int:
+    """Append the byte `ranges` of `sfd`, in the order given, to `dfd`: nearby ranges are read
+    with one pread (holes under `gap` bytes included) and written with one writev."""
+    copied = k = 0
+    while k < len(ranges):
+        start, end, j = ranges[k][0], ranges[k][0] + ranges[k][1], k + 1
+        while j < len(ranges):
+            o, n = ranges[j]
+            if o < end or o - end > gap or o + n - start > window:
+                break
+            end, j = o + n, j + 1
+        buf = os.pread(sfd, end - start, start)
+        if len(buf) != end - start:
+            raise FanstoreError("source partition is shorter than the manifest says")
+        mv = memoryview(buf)
+        pieces = [mv[o - start : o - start + n] for o, n in ranges[k:j]]
+        want = sum(len(p) for p in pieces)
+        if os.writev(dfd, pieces) != want:
+            raise FanstoreError("short write to the local copy")
+        copied += want
+        k = j
+    return copied
+
+
 def stage_partition(src: str, dst: str, size: int, ranges: Ranges | None) -> int:
-    """Copy `src` to `dst` (all of it, or only `ranges` into a sparse file of the same size)."""
+    """Copy `src` to `dst`: all of it, or (dense) its header followed by the byte `ranges`,
+    back to back in the order given (see `plan_dense` for the offsets this gives each blob)."""
     tmp = dst + ".part"
     sfd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -66,20 +82,44 @@ def stage_partition(src: str, dst: str, size: int, ranges: Ranges | None) -> int
         dfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             if ranges is None:
-                ranges = [(0, size)]
+                _copy_range(sfd, dfd, 0, size)
+                copied = size
             else:
-                ranges = coalesce([(0, PARTITION_DATA_START), *ranges])
-                os.ftruncate(dfd, size)
-            copied = 0
-            for off, n in ranges:
-                _copy_range(sfd, dfd, off, n)
-                copied += n
+                copied = _copy_dense(sfd, dfd, [(0, PARTITION_DATA_START), *ranges])
         finally:
             os.close(dfd)
     finally:
         os.close(sfd)
     os.replace(tmp, dst)
     return copied
+
+
+def plan_dense(manifest: Manifest, held: Iterable[int]) -> tuple[dict[int, Ranges | None], DenseMap]:
+    """A rank's share: for each partition holding some of `held`, the source ranges to copy
+    (sorted by source offset) and the local offset each blob gets in the dense copy; broadcast
+    partitions are copied whole."""
+    parts = manifest.partitions
+    bpart, boff, bst = (manifest.blobs[k] for k in ("part", "offset", "stored"))
+    per: dict[int, list[tuple[int, int]]] = {}
+    for b in held:
+        p = bpart[b]
+        if not parts[p].broadcast:
+            per.setdefault(p, []).append((boff[b], b))
+    shares: dict[int, Ranges | None] = {p: None for p, info in enumerate(parts) if info.broadcast}
+    pairs: list[tuple[int, int]] = []
+    for p, lst in per.items():
+        lst.sort()
+        pos = PARTITION_DATA_START
+        rng: Ranges = []
+        for o, b in lst:
+            rng.append((o, bst[b]))
+            pairs.append((b, pos))
+            pos += bst[b]
+        shares[p] = rng
+    pairs.sort()
+    dense = DenseMap(array("Q", (b for b, _ in pairs)), array("Q", (o for _, o in pairs)),
+                     frozenset(per))
+    return shares, dense
 
 
 def stage_in(
