@@ -200,3 +200,29 @@ def test_construction_is_quick_for_large_n() -> None:
     r = Ring(range(1024))
     assert time.perf_counter() - t < 5.0
     assert len(r.points()[0]) == 1024 * _ring.DEFAULT_VNODES
+
+
+def test_vectorized_data_placement_matches_the_ring():
+    """`_ring_np` (numpy xxh3 of 10-byte data keys, nearest successor, replica walk) gives the
+    same blobs per rank as the scalar Placement, and the same hashes as the xxhash library."""
+    import numpy as np
+    import xxhash
+
+    from fanstore_fuse._ring import RING_SEED
+    from fanstore_fuse._ring_np import blobs_for_rank, xxh3_data_keys
+
+    rng = np.random.default_rng(3)
+    ids = np.concatenate([np.arange(300, dtype=np.uint64),
+                          rng.integers(0, 2**63, 300, dtype=np.uint64) * np.uint64(2)])
+    for seed in (RING_SEED, RING_SEED + 7, 0):
+        got = xxh3_data_keys(ids, seed)
+        want = [xxhash.xxh3_64_intdigest(b"d:" + int(i).to_bytes(8, "little"), seed=seed)
+                for i in ids]
+        assert [int(g) for g in got] == want
+    bcast = np.zeros(5000, dtype=bool)
+    bcast[100:200] = True
+    for nranks, replicas in ((2, 1), (3, 1), (3, 2), (5, 3), (4, 4)):
+        pl = Placement(nranks, replicas, is_broadcast=lambda b: 100 <= b < 200)
+        for r in range(nranks):
+            assert blobs_for_rank(pl, r, 5000, bcast).tolist() == pl.blobs_for_rank(r, 5000)
+    assert blobs_for_rank(Placement(1), 0, 10).tolist() == list(range(10))

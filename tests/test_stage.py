@@ -27,7 +27,8 @@ def test_dense_share_of_tiny_files(tmp_path: Path, replicas: int):
     for name, b in data.items():
         (src / name).write_bytes(b)
     dest = tmp_path / "dest"
-    prep(src, dest, PrepOptions(partitions=4, codec="none", workers=1))
+    # One partition: thousands of a rank's blobs lie close together (more than IOV_MAX pieces).
+    prep(src, dest, PrepOptions(partitions=1, codec="none", workers=1))
     m = read_manifest(dest / MANIFEST_NAME)
     pl = Placement(3, replicas)
     total = sum(p.size - PARTITION_DATA_START for p in m.partitions)

@@ -33,8 +33,9 @@ from ._mountctl import (
 from ._namespace import Namespace
 from ._node import LocalBlobSource, Node, Stats
 from ._ring import Placement
+from ._ring_np import blobs_for_rank
 from ._safepath import open_private
-from ._stage import Ranges, plan_dense, stage_in, stage_manifest
+from ._stage import Ranges, broadcast_mask, plan_dense, stage_in, stage_manifest
 from ._writes import WriteStore
 
 log = logging.getLogger("fanstore_fuse.daemon")
@@ -170,8 +171,9 @@ def _setup(cfg: MountConfig, rank: int, nranks: int, m: _Mounted) -> Placement:
         shares = None
         held = list(range(manifest.n_blobs))
     else:
-        held = placement.blobs_for_rank(rank, manifest.n_blobs)
-        shares, dense = plan_dense(manifest, held)
+        mine = blobs_for_rank(placement, rank, manifest.n_blobs, broadcast_mask(manifest))
+        shares, dense = plan_dense(manifest, mine)
+        held = mine.tolist()
     total = sum(parts[p].size if r is None else sum(n for _, n in r)
                 for p, r in (shares or {p: None for p in range(len(parts))}).items())
     progress = _progress_writer(cfg.progress_file, total) if rank == 0 else None
