@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 EXTRAS ?= test,bench,tensor
 
-.PHONY: all deps venv install demo test test-fast lint bench bench-quick clean
+.PHONY: all deps venv install demo test test-fast lint bench bench-quick bench-metadata clean
 
 all: test
 
@@ -44,6 +44,12 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(PY) -m bench.run --quick
+	$(PY) -m bench.metadata_scale --files 2000 --files 10000
+
+# Metadata scale (issue 14): tiny-file trees; FILES="20000 128117" or up to 1281167 (minutes).
+FILES ?= 20000 128117
+bench-metadata: $(STAMP)
+	$(PY) -m bench.metadata_scale $(foreach n,$(FILES),--files $(n)) --out /tmp/fanstore-metadata-bench/results.json
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

@@ -273,7 +273,18 @@ def read_manifest(path: str | os.PathLike[str], writable: bool = False) -> Manif
     m._keep = mm
     if not writable:
         mm.madvise(mmap.MADV_DONTNEED)  # validation touched every page: let them go again
+    _trim_heap()
     return m
+
+
+def _trim_heap() -> None:
+    """Give validation's freed temporaries back to the OS (glibc keeps them otherwise)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _digest(buf: memoryview, off: int, n: int, mm: mmap.mmap | None) -> int:
