@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
+import numpy as np
 import pyfuse3
 import trio
 
@@ -169,12 +170,12 @@ def _setup(cfg: MountConfig, rank: int, nranks: int, m: _Mounted) -> Placement:
     dense = None
     if nranks == 1:
         shares = None
-        held = list(range(manifest.n_blobs))
+        held = np.arange(manifest.n_blobs)
     else:
         mine = blobs_for_rank(placement, rank, manifest.n_blobs, broadcast_mask(manifest))
         shares, dense = plan_dense(manifest, mine)
-        held = mine.tolist()
-    total = sum(parts[p].size if r is None else sum(n for _, n in r)
+        held = mine
+    total = sum(parts[p].size if r is None else int(r[:, 1].sum())
                 for p, r in (shares or {p: None for p in range(len(parts))}).items())
     progress = _progress_writer(cfg.progress_file, total) if rank == 0 else None
     t0 = time.perf_counter()
@@ -182,7 +183,7 @@ def _setup(cfg: MountConfig, rank: int, nranks: int, m: _Mounted) -> Placement:
     dt = time.perf_counter() - t0
     m.held = {
         "blobs_held": len(held),
-        "bytes_held": sum(manifest.blobs["raw"][b] for b in held),
+        "bytes_held": int(np.frombuffer(manifest.blobs["raw"], "<u4")[held].sum(dtype=np.uint64)),
         "staged_bytes": res.bytes,
         "stage_in_us": int(dt * 1e6),
     }

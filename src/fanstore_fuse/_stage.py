@@ -22,7 +22,7 @@ from ._format import (
     check_partition_header,
 )
 
-Ranges = list[tuple[int, int]]  # (offset, length)
+Ranges = np.ndarray  # k x 2 uint64: (offset, length) of each piece, in copy order
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 
 
@@ -49,25 +49,29 @@ def _copy_range(src_fd: int, dst_fd: int, off: int, n: int) -> None:
 
 def _copy_dense(sfd: int, dfd: int, ranges: Ranges, gap: int = 64 << 10, window: int = 8 << 20) -> int:
     """Append the byte `ranges` of `sfd`, in the order given, to `dfd`: nearby ranges are read
-    with one pread (holes under `gap` bytes included) and written with one writev."""
-    copied = k = 0
-    while k < len(ranges):
-        start, end, j = ranges[k][0], ranges[k][0] + ranges[k][1], k + 1
-        while j < len(ranges):
-            o, n = ranges[j]
-            if o < end or o - end > gap or o + n - start > window or j - k >= _IOV_MAX:
-                break
-            end, j = o + n, j + 1
-        buf = os.pread(sfd, end - start, start)
-        if len(buf) != end - start:
-            raise FanstoreError("source partition is shorter than the manifest says")
-        mv = memoryview(buf)
-        pieces = [mv[o - start : o - start + n] for o, n in ranges[k:j]]
-        want = sum(len(p) for p in pieces)
-        if os.writev(dfd, pieces) != want:
-            raise FanstoreError("short write to the local copy")
-        copied += want
-        k = j
+    with one pread (holes under `gap` bytes included) and written with one writev. Works through
+    `ranges` a block at a time, so no per-piece Python objects outlive a block."""
+    copied = 0
+    for blk in range(0, len(ranges), 1 << 16):
+        rows = ranges[blk : blk + (1 << 16)].tolist()
+        k = 0
+        while k < len(rows):
+            start, end, j = rows[k][0], rows[k][0] + rows[k][1], k + 1
+            while j < len(rows):
+                o, n = rows[j]
+                if o < end or o - end > gap or o + n - start > window or j - k >= _IOV_MAX:
+                    break
+                end, j = o + n, j + 1
+            buf = os.pread(sfd, end - start, start)
+            if len(buf) != end - start:
+                raise FanstoreError("source partition is shorter than the manifest says")
+            mv = memoryview(buf)
+            pieces = [mv[o - start : o - start + n] for o, n in rows[k:j]]
+            want = sum(len(p) for p in pieces)
+            if os.writev(dfd, pieces) != want:
+                raise FanstoreError("short write to the local copy")
+            copied += want
+            k = j
     return copied
 
 
@@ -88,7 +92,8 @@ def stage_partition(src: str, dst: str, size: int, ranges: Ranges | None) -> int
                 _copy_range(sfd, dfd, 0, size)
                 copied = size
             else:
-                copied = _copy_dense(sfd, dfd, [(0, PARTITION_DATA_START), *ranges])
+                head = np.array([[0, PARTITION_DATA_START]], dtype=np.uint64)
+                copied = _copy_dense(sfd, dfd, np.concatenate([head, ranges.astype(np.uint64)]))
         finally:
             os.close(dfd)
     finally:
@@ -136,7 +141,7 @@ def plan_dense(manifest: Manifest, held: Iterable[int] | np.ndarray
     local = np.uint64(PARTITION_DATA_START) + excl - excl[group]
     shares: dict[int, Ranges | None] = {p: None for p, info in enumerate(parts) if info.broadcast}
     for a, z in zip(starts, np.r_[starts[1:], len(h)]):
-        shares[int(hp[a])] = list(zip(so[a:z].tolist(), st[a:z].tolist()))
+        shares[int(hp[a])] = np.stack([so[a:z], st[a:z]], axis=1)
     by_id = np.argsort(h, kind="stable")
     dense = DenseMap(_to_array(h[by_id]), _to_array(local[by_id]),
                      frozenset(int(p) for p in hp[starts]))
@@ -156,7 +161,7 @@ def stage_in(
     if shares is None:
         shares = {p: None for p in range(len(manifest.partitions))}
     need = sum(
-        manifest.partitions[p].size if r is None else sum(n for _, n in r) + PARTITION_DATA_START
+        manifest.partitions[p].size if r is None else int(r[:, 1].sum()) + PARTITION_DATA_START
         for p, r in shares.items()
     )
     os.makedirs(local_dir, exist_ok=True)
