@@ -273,11 +273,11 @@ def read_manifest(path: str | os.PathLike[str], writable: bool = False) -> Manif
     m._keep = mm
     if not writable:
         mm.madvise(mmap.MADV_DONTNEED)  # validation touched every page: let them go again
-    _trim_heap()
+    trim_heap()
     return m
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """Give validation's freed temporaries back to the OS (glibc keeps them otherwise)."""
     try:
         import ctypes
