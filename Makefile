@@ -32,8 +32,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
+# In process only: no FUSE mount, no MPI ranks (runs where /dev/fuse is missing).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -x -m "not mpi and not fault and not slurm"
+	$(PY) -m pytest -q -x -p no:cacheprovider -m "not mount and not mpi and not fault and not slurm"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench scripts

@@ -5,6 +5,8 @@ a session finalizer checks that no FUSE mount is left under pytest's temporary d
 from __future__ import annotations
 
 import contextlib
+import logging
+import re
 import shutil
 import sys
 from collections.abc import Iterator
@@ -26,6 +28,42 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "mount" in item.keywords:
             item.add_marker(skip)
+
+
+class ErrorLog(logging.Handler):
+    """Every ERROR (or worse) record logged in this process during one test."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+        self.expected: list[re.Pattern[str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def expect(self, pattern: str) -> None:
+        """ERROR lines matching `pattern` (re.search) are part of what the test checks."""
+        self.expected.append(re.compile(pattern))
+
+    def unexpected(self) -> list[str]:
+        lines = [f"{r.name}: {r.getMessage()}" for r in self.records]
+        return [ln for ln in lines if not any(p.search(ln) for p in self.expected)]
+
+
+@pytest.fixture(autouse=True)
+def error_log() -> Iterator[ErrorLog]:
+    """Fail a test that logs an ERROR line it did not declare with `error_log.expect(...)`
+    (after s3ql's pytest_checklogs): an error nobody looked at is a bug nobody saw."""
+    handler = ErrorLog()
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        root.removeHandler(handler)
+    bad = handler.unexpected()
+    if bad:
+        pytest.fail("unexpected ERROR log lines:\n  " + "\n  ".join(bad[:20]), pytrace=False)
 
 
 @pytest.fixture(scope="session", autouse=True)

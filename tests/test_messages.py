@@ -19,6 +19,10 @@ from fanstore_fuse._messages import (
     HandlerTable,
     ProtocolError,
     decode,
+    frame_buffer,
+    pack,
+    request_id_of,
+    unpack,
 )
 
 
@@ -54,13 +58,65 @@ def _table() -> HandlerTable:
     return t
 
 
-@given(st.binary(max_size=300))
-@settings(max_examples=200, deadline=None)
-def test_dispatch_of_random_bytes_is_an_error_reply(data):
-    reply = trio.run(_table().dispatch, 0, data)
-    f = decode(reply)
-    if f.err == 0:  # only a well-formed ping can succeed
-        assert f.arg == 99
+def _expected_reply(data: bytes) -> tuple[int, int]:
+    """(errno, arg) the table must answer to `data`: a ping succeeds, everything else fails."""
+    try:
+        req = decode(data)
+    except ProtocolError:
+        return errno.EPROTO, 0
+    if req.op == OP_PING:
+        return 0, 99
+    if req.op == OP_FETCH_BLOB:
+        return errno.EIO, 0
+    return errno.EPROTO, 0
+
+
+_frames = st.builds(
+    lambda op, rid, arg, body: Frame(op, rid, arg, body).encode(),
+    st.sampled_from([OP_PING, OP_FETCH_BLOB, 0, 77, 255]),
+    st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.binary(max_size=64),
+)
+
+
+@given(st.one_of(st.binary(max_size=300), _frames,
+                 _frames.flatmap(lambda f: st.integers(0, len(f) - 1).map(lambda n: f[:n]))))
+@settings(max_examples=300, deadline=None)
+def test_dispatch_answers_every_input_with_the_right_reply(data):
+    f = decode(trio.run(_table().dispatch, 0, data))
+    assert (f.err, f.arg) == _expected_reply(data)
+    assert f.req_id == request_id_of(data)
+    if f.err:
+        assert bytes(f.body)  # an error reply says what went wrong
+
+
+def test_frame_buffer_is_a_frame_with_its_body_in_place():
+    buf, body = frame_buffer(OP_FETCH_BLOB, 9, 1234, 5)
+    body[:] = b"hello"
+    f = decode(buf)
+    assert (f.op, f.req_id, f.arg, bytes(f.body), f.err) == (OP_FETCH_BLOB, 9, 1234, b"hello", 0)
+    with pytest.raises(ProtocolError):
+        frame_buffer(OP_FETCH_BLOB, 1, 0, MAX_BODY + 1)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda b: b[:HEADER.size - 1], "shorter than the header"),
+    (lambda b: b"\0\0" + b[2:], "bad magic"),
+    (lambda b: b[:2] + b"\x02" + b[3:], "version 2"),
+    (lambda b: b + b"x", "does not match"),
+    (lambda b: b[:-1], "does not match"),
+])
+def test_malformed_frames_are_named(damage, message):
+    good = Frame(OP_PING, 3, 4, b"body").encode()
+    with pytest.raises(ProtocolError, match=message):
+        decode(damage(good))
+
+
+def test_request_id_of_short_and_long_frames():
+    assert request_id_of(b"abc") == 0
+    assert request_id_of(Frame(OP_PING, 77).encode()) == 77
+    assert unpack(pack([b"x", 1])) == [b"x", 1]
+    with pytest.raises(ProtocolError):
+        unpack(b"\xc1")
 
 
 async def test_dispatch_maps_handler_bugs_to_eio():

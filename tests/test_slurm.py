@@ -13,8 +13,6 @@ import _harness
 import pytest
 from _harness import cli_env, diff_meta, expected_from_source, prep_cli, run_cli, snapshot
 
-pytestmark = [pytest.mark.mount, pytest.mark.mpi]
-
 SHIM = """#!/bin/bash
 # Stand-in for srun: insist on what a FUSE daemon per node needs, then run N local ranks.
 set -euo pipefail
@@ -42,6 +40,8 @@ def test_batch_script_and_snippets_parse():
         subprocess.run(["bash", "-n", str(p)], check=True)
 
 
+@pytest.mark.mount
+@pytest.mark.mpi
 @pytest.mark.timeout(180)
 def test_mount_inside_a_slurm_job_uses_srun(src_tree, tmp_path, state_dir):
     bindir = tmp_path / "bin"
@@ -69,6 +69,7 @@ def test_mount_inside_a_slurm_job_uses_srun(src_tree, tmp_path, state_dir):
         assert not os.path.ismount(template.replace("{rank}", str(r)))
 
 
+@pytest.mark.mpi
 @pytest.mark.timeout(120)
 def test_a_stalled_mpi_start_up_fails_clearly_instead_of_hanging(tmp_path, state_dir):
     """An srun whose ranks never get through MPI start-up (a PMI or network problem): `mount`

@@ -98,7 +98,8 @@ def test_stage_out_uses_temp_name_then_rename(tmp_path: Path, monkeypatch) -> No
     s.close_store()
 
 
-def test_stage_out_failure_keeps_local_copy(tmp_path: Path) -> None:
+def test_stage_out_failure_keeps_local_copy(tmp_path: Path, error_log) -> None:
+    error_log.expect(r"stage-out (unclosed|bad|blocked): .*local copy kept")
     s = WriteStore(str(tmp_path / "l"))
     put(s, "good", b"fine")
     put(s, "bad", b"x" * 5000)

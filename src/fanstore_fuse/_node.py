@@ -75,8 +75,22 @@ class Stats:
         return d
 
 
+class _Fetch:
+    """One fetch in flight: readers of the same blob wait on it and share its outcome."""
+
+    __slots__ = ("done", "error")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.error: FanstoreError | None = None
+
+
 class BlobCache:
-    """LRU of decoded blobs bounded by bytes; one fetch per blob however many readers wait."""
+    """LRU of decoded blobs bounded by bytes; one fetch per blob however many readers wait.
+
+    A failed fetch's error goes to the readers that waited on that fetch only; the next read
+    of the blob starts a new fetch.
+    """
 
     def __init__(self, fetch: Callable[[int], Awaitable[bytes]], stats: Stats, limit: int):
         self._fetch = fetch
@@ -84,8 +98,7 @@ class BlobCache:
         self._limit = limit
         self._data: OrderedDict[int, bytes] = OrderedDict()
         self._bytes = 0
-        self._pending: dict[int, trio.Event] = {}
-        self._failed: dict[int, FanstoreError] = {}
+        self._pending: dict[int, _Fetch] = {}
 
     def peek(self, blob: int) -> bool:
         return blob in self._data or blob in self._pending
@@ -97,26 +110,25 @@ class BlobCache:
                 self._data.move_to_end(blob)
                 self._stats.cache_hits += 1
                 return data
-            ev = self._pending.get(blob)
-            if ev is None:
+            pending = self._pending.get(blob)
+            if pending is None:
                 break
-            await ev.wait()
-            err = self._failed.pop(blob, None)
-            if err is not None:
-                raise err
+            await pending.done.wait()
+            if pending.error is not None:
+                raise pending.error
         self._stats.cache_misses += 1
-        ev = self._pending[blob] = trio.Event()
+        pending = self._pending[blob] = _Fetch()
         self._stats.in_flight += 1
         try:
             data = await self._fetch(blob)
         except FanstoreError as e:
             self._stats.errors += 1
-            self._failed[blob] = e
+            pending.error = e
             raise
         finally:
             self._stats.in_flight -= 1
             del self._pending[blob]
-            ev.set()
+            pending.done.set()
         self._insert(blob, data)
         return data
 
