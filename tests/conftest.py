@@ -132,3 +132,22 @@ def huge_dest(tmp_path_factory: pytest.TempPathFactory):
     dt = time.perf_counter() - t0
     (src / "huge").unlink()
     return base / "dest", HUGE_SIZE, res, dt
+
+
+@pytest.fixture
+def replies(monkeypatch):
+    """What readdir sends, per call: [(name, inode, next_id)], with an optional cut-off
+    (pyfuse3.readdir_reply stood in for: in-process Operations tests)."""
+    import pyfuse3
+
+    sent: list[tuple[bytes, int, int]] = []
+    limit = {"n": None}
+
+    def reply(token, name, attr, next_id):
+        if limit["n"] is not None and len(sent) >= limit["n"]:
+            return False
+        sent.append((name, attr.st_ino, next_id))
+        return True
+
+    monkeypatch.setattr(pyfuse3, "readdir_reply", reply)
+    return sent, limit

@@ -128,3 +128,16 @@ async def test_dispatch_maps_handler_bugs_to_eio():
     f = decode(await t.dispatch(3, Frame(OP_PING, 8).encode()))
     assert f.err == 0 and f.arg == 99 and f.req_id == 8
     assert len(HEADER.pack(0, 0, 0, 0, 0, 0, 0)) == HEADER.size
+
+
+def test_read_reply_turns_error_frames_into_errors():
+    from fanstore_fuse._errors import PeerError
+    from fanstore_fuse._transport import RemoteError, read_reply
+
+    ok = read_reply(2, OP_PING, Frame(OP_PING, 5, 7).encode())
+    assert (ok.req_id, ok.arg) == (5, 7)
+    with pytest.raises(RemoteError, match="rank 2 fetch_blob: no such blob") as ei:
+        read_reply(2, OP_FETCH_BLOB, Frame(0, 5, err=errno.ENOENT, body=b"no such blob").encode())
+    assert ei.value.errno == errno.ENOENT
+    with pytest.raises(PeerError, match="malformed ping reply"):
+        read_reply(2, OP_PING, b"\x00" * 5)

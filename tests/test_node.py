@@ -90,3 +90,48 @@ async def test_waiters_of_a_failed_fetch_get_its_error_and_the_next_read_retries
     assert len(errors) == 3 and src.calls == 1
     assert await cache.get(1) == b"good"
     assert src.calls == 2 and stats.errors == 1
+
+
+async def test_node_reads_across_chunks_and_reads_ahead(src_tree, tmp_path):
+    from fanstore_fuse import PrepOptions, prep
+    from fanstore_fuse._blobstore import BlobStore
+    from fanstore_fuse._format import MANIFEST_NAME, read_manifest
+    from fanstore_fuse._namespace import Namespace
+    from fanstore_fuse._node import LocalBlobSource, Node
+
+    dest = tmp_path / "dest"
+    prep(src_tree, dest, PrepOptions(partitions=2, chunk_size=1 << 20))
+    m = read_manifest(dest / MANIFEST_NAME)
+    store = BlobStore(m, str(dest))
+    stats = Stats()
+    node = Node(Namespace(m), LocalBlobSource(store, stats, 256 << 10), stats, 64 << 20, 2)
+    want = (src_tree / "big.bin").read_bytes()
+    index = node.ns.resolve(b"big.bin")
+    try:
+        async with trio.open_nursery() as n:
+            node.attach(n)
+            assert await node.read(index, 0, 4096) == want[:4096]  # chunk 0; chunks 1, 2 ahead
+            await trio.testing.wait_all_tasks_blocked()
+            misses = stats.cache_misses
+            assert misses == 3
+            off = (1 << 20) - 100
+            assert await node.read(index, off, 300) == want[off : off + 300]  # across a boundary
+            assert await node.read(index, len(want) - 10, 100) == want[-10:]
+            assert await node.read(index, len(want), 100) == b""
+            assert stats.cache_misses == misses and stats.cache_hits >= 3
+    finally:
+        store.close()
+
+
+def test_settings_are_read_from_the_environment_once_with_clear_errors():
+    from fanstore_fuse._errors import FanstoreError
+    from fanstore_fuse._settings import Settings
+
+    s = Settings.from_env({"FANSTORE_CACHE_BYTES": "1048576", "FANSTORE_MPI_SEND_POLL": "1e-4",
+                           "FANSTORE_READAHEAD_CHUNKS": ""})
+    assert (s.cache_bytes, s.mpi_send_poll, s.readahead_chunks) == (1 << 20, 1e-4, 4)
+    assert Settings.from_env({}) == Settings()
+    with pytest.raises(FanstoreError, match="FANSTORE_MPI_SPIN='fast' is not an integer"):
+        Settings.from_env({"FANSTORE_MPI_SPIN": "fast"})
+    with pytest.raises(FanstoreError, match="must not be negative"):
+        Settings.from_env({"FANSTORE_CACHE_BYTES": "-1"})

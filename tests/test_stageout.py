@@ -17,7 +17,7 @@ from fanstore_fuse._errors import FanstoreError
 from fanstore_fuse._mountctl import LOCAL_MARKER
 from fanstore_fuse._recover import UNCLOSED_DIR, recover
 from fanstore_fuse._stageout import TMP_PREFIX, stage_out
-from fanstore_fuse._writes import WriteStore
+from fanstore_fuse.writes import WriteStore
 
 
 def put(s: WriteStore, path: str, data: bytes, mode: int = 0o644) -> None:
@@ -138,7 +138,7 @@ def test_stage_out_unwritable_destination(tmp_path: Path) -> None:
 
 WRITER = r"""
 import os, sys, time
-from fanstore_fuse._writes import WriteStore
+from fanstore_fuse.writes import WriteStore
 local, n = sys.argv[1], int(sys.argv[2])
 s = WriteStore(local)
 with open(os.path.join(local, ".fanstore-local"), "w") as f:

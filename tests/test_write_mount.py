@@ -9,6 +9,7 @@ import os
 import random
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -236,3 +237,51 @@ def test_fsx_style_random_ops_through_the_mount(dest: Path, tmp_path: Path, moun
     r = run_cli("umount", m.template, "--stage-out", out, env=m.env)
     m.umount_result = r
     assert (out / "fsx.bin").read_bytes() == bytes(model)
+
+
+@pytest.mark.timeout(300)
+def test_dataset_reads_flow_while_a_1gb_checkpoint_commits(tmp_path: Path, mount_factory):
+    """close(2) of a 1 GiB checkpoint fsyncs and hashes it. Dataset listings and reads issued
+    after that close started must complete before it returns: an ordering, not a timing. The
+    checkpoint is rewritten at offset 0 last, so the commit hashes the whole file again."""
+    src = tmp_path / "src"
+    for d in range(4):
+        (src / f"d{d}").mkdir(parents=True)
+        for i in range(200):
+            (src / f"d{d}" / f"f{i:03d}").write_bytes(bytes([i]) * (3000 + i))
+    dest = prep_cli(src, tmp_path / "dest", "-p", "2")
+    m = mount_factory(dest, local=str(tmp_path / "local"))
+    closing, closed = threading.Event(), threading.Event()
+    block = os.urandom(8 << 20)
+
+    def write_checkpoint() -> None:
+        fd = os.open(m.path / "ckpt.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            for k in range(128):  # 1 GiB
+                os.pwrite(fd, block, k * len(block))
+            os.pwrite(fd, b"!", 0)
+        finally:
+            closing.set()
+            os.close(fd)  # the commit: fsync + xxh3 of 1 GiB, then the journal
+            closed.set()
+
+    writer = threading.Thread(target=write_checkpoint)
+    writer.start()
+    assert closing.wait(240), "the checkpoint was not written"
+    inside = 0  # dataset operations issued after the close started, done before it returned
+    ops = 0
+    while not closed.is_set() and ops < 100_000:
+        d = ops % 4
+        i = (ops // 4) % 200
+        issued_after_start = closing.is_set()
+        names = os.listdir(m.path / f"d{d}")
+        data = (m.path / f"d{d}" / f"f{i:03d}").read_bytes()
+        assert len(names) == 200 and data == bytes([i]) * (3000 + i)
+        if issued_after_start and not closed.is_set():
+            inside += 1
+        ops += 1
+    writer.join(60)
+    assert closed.is_set()
+    assert (m.path / "ckpt.bin").stat().st_size == 1 << 30
+    print(f"{inside} dataset operations completed during the commit")
+    assert inside >= 1, "no dataset operation completed while the checkpoint was committed"

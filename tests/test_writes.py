@@ -14,13 +14,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from fanstore_fuse._errors import ChecksumError, FanstoreError
+from fanstore_fuse._errors import ChecksumError, FanstoreError, NotCommitted
 from fanstore_fuse._format import checksum
-from fanstore_fuse._writes import (
+from fanstore_fuse.writes import (
     CHUNK,
     JOURNAL_NAME,
     WRITE_INODE_BASE,
-    NotCommitted,
     WriteStore,
 )
 
@@ -515,3 +514,42 @@ def test_journal_write_failure_leaves_no_torn_record(tmp_path: Path, monkeypatch
     s = WriteStore(d)
     assert s.warnings == [] and content(s, "a") == b"kept" and s.exists("y")
     s.close_store()
+
+
+def test_a_commit_hashes_without_the_lock_and_never_commits_a_stale_digest(store, monkeypatch):
+    """close/fsync hash and fsync with the store lock free (other calls go on); a write that
+    lands meanwhile makes the commit hash again, so the digest is always of the bytes."""
+    import threading
+
+    import fanstore_fuse.writes._files as files
+
+    fh, _ = store.create("f")
+    store.write(fh, 0, b"a" * 100)
+    store.write(fh, 50, b"b")  # not an append: the commit has to read the file back
+    real = files.hash_file
+    sizes: list[int] = []
+    free: list[bool] = []
+
+    def racing(fd, size, *args, **kw):
+        sizes.append(size)
+        if len(sizes) == 1:
+
+            def other_call() -> None:
+                got = store._lock.acquire(timeout=5)
+                free.append(got)
+                if got:
+                    store._lock.release()
+
+            t = threading.Thread(target=other_call)
+            t.start()
+            t.join()
+            store.write(fh, 100, b"tail")  # another writer, while the first hash runs
+        return real(fd, size, *args, **kw)
+
+    monkeypatch.setattr(files, "hash_file", racing)
+    store.flush(fh)
+    store.close(fh)
+    want = b"a" * 50 + b"b" + b"a" * 49 + b"tail"
+    assert free == [True] and sizes == [100, 104]
+    c = store.committed("f")
+    assert (c.size, c.xxh3) == (104, checksum(want))

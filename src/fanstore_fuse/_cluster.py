@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import trio
 
@@ -32,8 +34,9 @@ from ._messages import (
 )
 from ._namespace import Namespace, Record
 from ._node import LocalBlobSource, Node, Stats
-from ._ring import Placement
-from ._transport import MpiTransport, RemoteError
+from ._ring import Locator
+from ._transport import RemoteError, Transport
+from .writes import WriteStore
 
 log = logging.getLogger("fanstore_fuse.cluster")
 
@@ -73,10 +76,10 @@ class ClusterBlobSource:
     def __init__(
         self,
         rank: int,
-        placement: Placement,
+        placement: Locator,
         local: LocalBlobSource,
         source_store: BlobStore | None,
-        transport: MpiTransport,
+        transport: Transport,
         stats: Stats,
         timeout: float = PEER_TIMEOUT,
     ):
@@ -97,13 +100,15 @@ class ClusterBlobSource:
 
     async def fetch(self, blob: int) -> bytes:
         holders = self.placement.locate_data(blob)
+        others = [h for h in holders if h != self.rank]
         if self.rank in holders:
             try:
                 return await self.local.fetch(blob)
             except ChecksumError as e:
+                if not others and self.source_store is None:
+                    raise  # no other copy anywhere: the reader gets this error
                 self.stats.errors += 1
                 log.error("local copy bad, trying replicas: %s", e)
-        others = [h for h in holders if h != self.rank]
         if len(others) > 1:  # spread readers of a replicated blob over its holders
             k = (blob + self.rank) % len(others)
             others = others[k:] + others[:k]
@@ -136,7 +141,7 @@ class ClusterMetadata:
     `warm` ran, every dataset record comes from the local mapped manifest instead."""
 
     def __init__(
-        self, rank: int, ns: Namespace, placement: Placement, transport: MpiTransport, stats: Stats,
+        self, rank: int, ns: Namespace, placement: Locator, transport: Transport, stats: Stats,
         timeout: float = PEER_TIMEOUT,
     ):
         self.rank = rank
@@ -204,11 +209,11 @@ class ClusterMetadata:
 
 
 def serve_handlers(
-    rank: int, node: Node, placement: Placement, store: BlobStore, transport: MpiTransport,
-    threshold: int,
-) -> HandlerTable:
+    table: HandlerTable, rank: int, node: Node, placement: Locator, store: BlobStore,
+    local_status: Callable[[], dict[str, object]], threshold: int,
+) -> None:
+    """Register the requests a rank serves about the dataset (blobs, metadata, status)."""
     ns = node.ns
-    table = HandlerTable()
 
     def owned_index(body: bytes | memoryview) -> int:
         path = unpack(body)
@@ -252,45 +257,55 @@ def serve_handlers(
         return Frame(req.op, req.req_id, body=pack(out))
 
     async def status(src: int, req: Frame) -> Frame:
-        return Frame(req.op, req.req_id, body=pack(local_status(rank, node, transport)))
+        return Frame(req.op, req.req_id, body=pack(local_status()))
 
     for op, h in (
         (OP_PING, ping), (OP_FETCH_BLOB, fetch_blob), (OP_LOOKUP, lookup),
         (OP_LISTDIR, listdir), (OP_RECORDS, records), (OP_STATUS, status),
     ):
         table.register(op, h)
-    return table
 
 
-def local_status(rank: int, node: Node, transport: MpiTransport) -> dict[str, object]:
-    d = node.local_status()
-    d["rank"] = rank
-    d["host"] = socket.gethostname()
-    d["mpi_bytes_sent"] = transport.bytes_sent
-    d["mpi_bytes_received"] = transport.bytes_received
-    d["requests_in_flight"] = transport.requests_in_flight
-    d["peak_requests_in_flight"] = transport.peak_in_flight
-    d["requests_served"] = transport.served
-    return d
+@dataclass
+class StatusBoard:
+    """This rank's counters (`local`), and every rank's gathered over the transport (`gather`,
+    the root's `user.fanstore.status`)."""
 
+    rank: int
+    nranks: int
+    node: Node
+    transport: Transport
+    writes: WriteStore | None
+    held: dict[str, int]
+    timeout: float = 5.0
 
-def make_gather_status(rank: int, nranks: int, node: Node, transport: MpiTransport, timeout: float):
-    async def gather() -> dict[str, object]:
-        out: list[dict[str, object]] = [{}] * nranks
+    def local(self) -> dict[str, object]:
+        t = self.transport
+        d: dict[str, object] = {"rank": self.rank, **self.node.local_status(), **self.held}
+        d["host"] = socket.gethostname()
+        if self.writes is not None:
+            d["writes"] = self.writes.status()
+        d["mpi_bytes_sent"] = t.bytes_sent
+        d["mpi_bytes_received"] = t.bytes_received
+        d["requests_in_flight"] = t.requests_in_flight
+        d["peak_requests_in_flight"] = t.peak_in_flight
+        d["requests_served"] = t.served
+        return d
+
+    async def gather(self) -> dict[str, object]:
+        out: list[dict[str, object]] = [{}] * self.nranks
 
         async def one(r: int) -> None:
-            if r == rank:
-                out[r] = local_status(rank, node, transport)
+            if r == self.rank:
+                out[r] = self.local()
                 return
             try:
-                resp = await transport.request(r, Frame(OP_STATUS, 0), timeout)
+                resp = await self.transport.request(r, Frame(OP_STATUS, 0), self.timeout)
                 out[r] = unpack(resp.body)
             except (PeerError, RemoteError) as e:
                 out[r] = {"rank": r, "error": str(e)}
 
         async with trio.open_nursery() as n:
-            for r in range(nranks):
+            for r in range(self.nranks):
                 n.start_soon(one, r)
         return {"ranks": out}
-
-    return gather

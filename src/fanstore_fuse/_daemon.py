@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
@@ -17,8 +18,10 @@ import pyfuse3
 import trio
 
 from ._blobstore import BlobStore
+from ._compose import Parts, compose, open_transport
 from ._errors import FanstoreError
-from ._format import read_manifest
+from ._format import Manifest, read_manifest
+from ._fsio import atomic_write
 from ._fuse_ops import Operations
 from ._fuseaccess import fuse_access_problem, mount_failure
 from ._launch import world_error
@@ -31,13 +34,13 @@ from ._mountctl import (
     remove_local_dir,
     state_dir,
 )
-from ._namespace import Namespace
-from ._node import LocalBlobSource, Node, Stats
-from ._ring import Placement
+from ._ring import LocalOnlyPlacement, Locator, Placement
 from ._ring_np import blobs_for_rank
-from ._safepath import open_private
+from ._settings import Settings
 from ._stage import Ranges, broadcast_mask, plan_dense, stage_in, stage_manifest
-from ._writes import WriteStore
+from ._transport import Transport
+from ._view import MountView
+from .writes import WriteStore
 
 log = logging.getLogger("fanstore_fuse.daemon")
 
@@ -95,10 +98,7 @@ def notify(fd: int | None, message: str) -> None:
 
 def write_ready_file(path: str | None, message: str) -> None:
     if path:
-        tmp = path + ".tmp"
-        with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
-            f.write(message + "\n")
-        os.replace(tmp, path)
+        atomic_write(path, message + "\n")
 
 
 class _RankInfo(TypedDict):
@@ -121,13 +121,11 @@ class _Mounted:
     mountpoint: str
     local: str | None = None
     store: BlobStore | None = None
-    source_store: BlobStore | None = None
     mounted: bool = False
     created_mountpoint: bool = False
-    node: Node | None = None
     held: dict[str, int] = field(default_factory=dict)
     writes: WriteStore | None = None
-    shared: Any = None  # SharedWrites on multi-rank mounts
+    parts: Parts | None = None
 
     def teardown(self) -> None:
         if self.writes is not None:
@@ -137,9 +135,10 @@ class _Mounted:
             with contextlib.suppress(Exception):
                 pyfuse3.close(unmount=True)
             self.mounted = False
-        for s in (self.store, self.source_store):
-            if s is not None:
-                s.close()
+        if self.parts is not None:
+            self.parts.close()
+        if self.store is not None:
+            self.store.close()
         if self.local:
             remove_local_dir(self.local, keep_writes=True)
         if self.created_mountpoint:
@@ -147,8 +146,8 @@ class _Mounted:
                 os.rmdir(self.mountpoint)
 
 
-def _setup(cfg: MountConfig, rank: int, nranks: int, m: _Mounted) -> Placement:
-    """Check, stage in this rank's share, build the node and mount. Raises FanstoreError."""
+def _setup(cfg: MountConfig, rank: int, nranks: int, m: _Mounted) -> tuple[Manifest, Locator]:
+    """Check the mountpoint, stage in this rank's share, open the write store."""
     mp = m.mountpoint
     if "{rank}" in cfg.mountpoint and not os.path.exists(mp):
         os.makedirs(mp, exist_ok=True)
@@ -192,7 +191,7 @@ def _setup(cfg: MountConfig, rank: int, nranks: int, m: _Mounted) -> Placement:
     m.store = BlobStore(manifest, m.local, dense)
     if cfg.writable:
         m.writes = WriteStore(m.local, rank, cfg.write_quota)
-    return placement
+    return manifest, placement if nranks > 1 else LocalOnlyPlacement()
 
 
 def _progress_writer(path: str | None, total: int):
@@ -209,22 +208,18 @@ def _progress_writer(path: str | None, total: int):
         if now - last > 0.1 or done >= total:
             last = now
             with contextlib.suppress(OSError):
-                tmp = path + ".tmp"
-                with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
-                    f.write(f"{done} {total}\n")
-                os.replace(tmp, path)
+                atomic_write(path, f"{done} {total}\n", durable=False)
 
     tick(0)
     return tick
 
 
-def _mount(cfg: MountConfig, m: _Mounted) -> None:
-    assert m.node is not None
+def _mount(cfg: MountConfig, m: _Mounted, view: MountView) -> None:
     opts = fuse_options(cfg)
     if cfg.debug:
         opts.add("debug")
     try:
-        pyfuse3.init(Operations(m.node, writes=m.writes, shared=m.shared), m.mountpoint, opts)
+        pyfuse3.init(Operations(view), m.mountpoint, opts)
     except RuntimeError as e:
         raise FanstoreError(mount_failure(str(e), opts)) from None
     m.mounted = True
@@ -249,9 +244,10 @@ def set_readahead(mountpoint: str, kb: int) -> None:
         log.info("read-ahead left at the default (%s)", e)
 
 
-async def _serve(node: Node, max_tasks: int, transport=None, warm=None) -> None:
+async def _serve(parts: Parts, max_tasks: int,
+                 side: list[Callable[[], Awaitable[None]]]) -> None:
     async with trio.open_nursery() as nursery:
-        node.attach(nursery)
+        parts.node.attach(nursery)
 
         async def on_signal() -> None:
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
@@ -261,19 +257,33 @@ async def _serve(node: Node, max_tasks: int, transport=None, warm=None) -> None:
                     return
 
         nursery.start_soon(on_signal)
-        if transport is not None:
-            nursery.start_soon(transport.run)
-        if warm is not None:
-            nursery.start_soon(warm)
+        nursery.start_soon(parts.transport.run)
+        if parts.warm is not None:
+            nursery.start_soon(parts.warm)
+        for task in side:
+            nursery.start_soon(task)
         await pyfuse3.main(min_tasks=1, max_tasks=max_tasks)
         nursery.cancel_scope.cancel()
 
 
+class OneRank:
+    """The communicator of a mount without MPI: rank 0 of 1."""
+
+    def Get_rank(self) -> int:  # noqa: N802 (mpi4py's names)
+        return 0
+
+    def Get_size(self) -> int:  # noqa: N802
+        return 1
+
+    def allgather(self, obj: object) -> list[object]:
+        return [obj]
+
+
 def communicator(cfg: MountConfig) -> tuple[Any, int, int]:
     """(comm, rank, size): MPI.COMM_WORLD of mpiexec/srun, the group joined by daemons started
-    one per node (`cfg.join`, see `_rendezvous`), or no MPI at all."""
+    one per node (`cfg.join`, see `_rendezvous`), or `OneRank` without MPI."""
     if not cfg.mpi:
-        return None, 0, 1
+        return OneRank(), 0, 1
     from mpi4py import rc
 
     rc.thread_level = "multiple"
@@ -309,53 +319,14 @@ def serve(cfg: MountConfig) -> int:
         return 1
     m = _Mounted(for_rank(cfg.mountpoint, rank))
     error = ""
-    transport = None
-    warm = None
     try:
-        placement = _setup(cfg, rank, nranks, m)
+        settings = Settings.from_env()
+        manifest, placement = _setup(cfg, rank, nranks, m)
         assert m.store is not None
-        stats = Stats()
-        local_src = LocalBlobSource(m.store, stats)
-        if comm is None:
-            m.node = Node(Namespace(m.store.m), local_src, stats)
-        else:
-            from ._cluster import (
-                ClusterBlobSource,
-                ClusterMetadata,
-                make_gather_status,
-                serve_handlers,
-            )
-            from ._messages import HandlerTable
-            from ._transport import MpiTransport
-
-            ns = Namespace(m.store.m)
-            transport = MpiTransport(comm, HandlerTable())
-            m.source_store = BlobStore(m.store.m, cfg.dest)
-            source = ClusterBlobSource(
-                rank, placement, local_src, m.source_store, transport, stats, cfg.peer_timeout
-            )
-            meta = ClusterMetadata(rank, ns, placement, transport, stats, cfg.peer_timeout)
-            m.node = Node(ns, source, stats, meta=meta)
-            transport.handlers = serve_handlers(
-                rank, m.node, placement, m.store, transport, local_src.threshold
-            )
-            m.node.gather_status = make_gather_status(rank, nranks, m.node, transport, 5.0)
-            if cfg.writable:
-                from ._shared_writes import SharedWrites
-
-                m.shared = SharedWrites(rank, placement, transport, m.writes, cfg.peer_timeout)
-                m.shared.register(transport.handlers)
-                from . import _stageout_all
-
-                assert m.local is not None
-                _stageout_all.register(transport.handlers, rank, m.local)
-            if cfg.warm_metadata:
-                async def warm() -> None:
-                    n = await meta.warm(nranks)
-                    log.info("rank %d warmed %d metadata records", rank, n)
-        m.node.held = m.held
-        m.node.writes = m.writes
-        _mount(cfg, m)
+        m.parts = compose(manifest, m.store, cfg.dest, placement, rank,
+                          lambda table: open_transport(comm, table, settings), m.writes, settings,
+                          m.held, cfg.peer_timeout, cfg.warm_metadata)
+        _mount(cfg, m, m.parts.view)
     except FanstoreError as e:
         error = str(e)
     except Exception as e:
@@ -367,7 +338,7 @@ def serve(cfg: MountConfig) -> int:
     me: _RankInfo = {"rank": rank, "error": error, "pid": os.getpid(), "mountpoint": m.mountpoint,
                       "local": m.local or "", "host": socket.gethostname(),
                       "staged": m.held.get("staged_bytes", 0), "stage_us": m.held.get("stage_in_us", 0)}
-    infos: list[_RankInfo] = comm.allgather(me) if comm is not None else [me]
+    infos: list[_RankInfo] = comm.allgather(me)
     errors = [f"rank {i['rank']}: {i['error']}" for i in infos if i["error"]]
     if errors:
         m.teardown()
@@ -405,13 +376,15 @@ def serve(cfg: MountConfig) -> int:
         write_ready_file(cfg.ready_file, "ready\n" + summary)
     notify(cfg.ready_fd, "ready")
     code = 0
-    if transport is not None and cfg.writable:
+    assert m.parts is not None  # set by the setup, which succeeded on every rank
+    side = []
+    if nranks > 1 and cfg.writable:
         mine = {i["rank"] for i in here}
         others = [r for r in range(nranks) if r not in mine]
-        warm = _with_stageout_requests(warm, group.key, others, [i["host"] for i in infos], transport)
+        side.append(_stageout_requests(group.key, others, [i["host"] for i in infos],
+                                       m.parts.transport))
     try:
-        assert m.node is not None  # set by the setup, which succeeded on every rank
-        trio.run(_serve, m.node, cfg.max_tasks, transport, warm)
+        trio.run(_serve, m.parts, cfg.max_tasks, side)
     except BaseException:
         log.exception("daemon stopped on an error")
         code = 1
@@ -424,18 +397,15 @@ def serve(cfg: MountConfig) -> int:
     return code
 
 
-def _with_stageout_requests(warm, key: str, others: list[int], hosts: list[str], transport):
-    """The side task(s) of a multi-rank daemon: metadata warm-up, and answering `umount
-    --stage-out` run on this node for every node (see `_stageout_all`)."""
+def _stageout_requests(key: str, others: list[int], hosts: list[str], transport: Transport):
+    """A side task of a multi-rank daemon: answering `umount --stage-out` run on this node for
+    every node (see `_stageout_all`)."""
     from ._stageout_all import serve_requests
 
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # until trio listens for it
 
     async def side() -> None:
-        async with trio.open_nursery() as n:
-            if warm is not None:
-                n.start_soon(warm)
-            n.start_soon(serve_requests, key, others, hosts, transport)
+        await serve_requests(key, others, hosts, transport)
 
     return side
 

@@ -23,10 +23,11 @@ from typing import Any
 import xxhash
 
 from ._errors import FanstoreError
+from ._fsio import atomic_write
 from ._safepath import open_private, secure_dir
+from .writes import DATA_DIR, WRITES_DIR
 
 LOCAL_MARKER = ".fanstore-local"
-WRITES_DIR = "writes"
 STATE_SEED = 0x4D4E5453
 
 
@@ -76,11 +77,7 @@ class MountState:
         return os.path.join(state_dir(), f"{self.key}.json")
 
     def save(self) -> None:
-        p = self.path()
-        tmp = f"{p}.tmp{os.getpid()}"
-        with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
-            json.dump(asdict(self), f)
-        os.replace(tmp, p)
+        atomic_write(self.path(), json.dumps(asdict(self)))
 
     def remove(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -179,7 +176,7 @@ def prepare_local_dir(path: str) -> str:
 
 def has_written_files(path: str) -> bool:
     """Whether a local dir holds data written into the mount (kept until staged out)."""
-    data = os.path.join(path, WRITES_DIR, "data")
+    data = os.path.join(path, WRITES_DIR, DATA_DIR)
     try:
         return any(True for _ in os.scandir(data))
     except OSError:

@@ -13,19 +13,18 @@ import os
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import trio
 
 from ._blobstore import BlobStore
 from ._errors import FanstoreError
 from ._namespace import Namespace, Record
+from ._settings import Settings
 
 log = logging.getLogger("fanstore_fuse.node")
 
-THREAD_THRESHOLD = int(os.environ.get("FANSTORE_THREAD_THRESHOLD", str(256 << 10)))
-CACHE_BYTES = int(os.environ.get("FANSTORE_CACHE_BYTES", str(256 << 20)))
-READAHEAD_CHUNKS = int(os.environ.get("FANSTORE_READAHEAD_CHUNKS", "4"))
+_DEFAULT = Settings()  # the daemon passes its own (read from the environment once)
 
 
 class BlobSource(Protocol):
@@ -37,7 +36,7 @@ class BlobSource(Protocol):
 class LocalBlobSource:
     """Blobs from this node's partition files; big ones decoded in a worker thread."""
 
-    def __init__(self, store: BlobStore, stats: Stats, threshold: int = THREAD_THRESHOLD):
+    def __init__(self, store: BlobStore, stats: Stats, threshold: int = _DEFAULT.thread_threshold):
         self.store = store
         self.stats = stats
         self.threshold = threshold
@@ -175,8 +174,8 @@ class Node:
         ns: Namespace,
         source: BlobSource,
         stats: Stats | None = None,
-        cache_bytes: int = CACHE_BYTES,
-        readahead: int = READAHEAD_CHUNKS,
+        cache_bytes: int = _DEFAULT.cache_bytes,
+        readahead: int = _DEFAULT.readahead_chunks,
         meta: Metadata | None = None,
     ):
         self.ns = ns
@@ -187,9 +186,6 @@ class Node:
         self.chunk = int(ns.m.options.get("chunk_size", 4 << 20))
         self.readahead = readahead
         self._nursery: trio.Nursery | None = None
-        self.held: dict[str, int] = {}
-        self.writes: Any = None  # the rank's WriteStore, when the mount is writable
-        self.gather_status: Callable[[], Awaitable[dict[str, object]]] | None = None
 
     def attach(self, nursery: trio.Nursery) -> None:
         """Give the node a nursery for background read-ahead."""
@@ -211,6 +207,14 @@ class Node:
 
     def path(self, index: int) -> str:
         return os.fsdecode(self.ns.path(index))
+
+    def dataset_bytes(self) -> int:
+        return self.ns.m.total_bytes()
+
+    def partitions(self, index: int) -> list[str]:
+        """Names of the partitions holding a file's blobs (sorted)."""
+        m = self.ns.m
+        return sorted({m.partitions[m.blobs["part"][b]].name for b in self.ns.blobs(index)})
 
     # ------------------------------------------------------------ data
 
@@ -246,13 +250,4 @@ class Node:
             log.warning("read-ahead of %s failed: %s", blob, e)
 
     def local_status(self) -> dict[str, object]:
-        d: dict[str, object] = {"stats": self.stats.as_dict(), "entries": len(self.ns), **self.held}
-        if self.writes is not None:
-            d["writes"] = self.writes.status()
-        return d
-
-    async def status(self) -> dict[str, object]:
-        """This node's counters; a cluster node overrides `gather_status` to add its peers'."""
-        if self.gather_status is not None:
-            return await self.gather_status()
-        return {"ranks": [{"rank": 0, **self.local_status()}]}
+        return {"stats": self.stats.as_dict(), "entries": len(self.ns)}

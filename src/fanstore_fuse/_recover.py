@@ -16,7 +16,7 @@ from ._errors import FanstoreError
 from ._mountctl import LOCAL_MARKER, _is_ours, pid_alive
 from ._safepath import Escape, dir_beneath
 from ._stageout import StageFailure, StageOutSummary, stage_out
-from ._writes import JOURNAL_NAME, WriteStore
+from .writes import JOURNAL_NAME, WRITES_DIR, WriteStore
 
 UNCLOSED_DIR = ".fanstore-unclosed"
 
@@ -63,8 +63,8 @@ def recover(
     unclosed files do not make it fail (they are listed in `unclosed`).
     """
     local_dir = os.path.abspath(local_dir)
-    if not os.path.exists(os.path.join(local_dir, "writes", JOURNAL_NAME)):
-        raise FanstoreError(f"{local_dir} holds no written files (no writes/{JOURNAL_NAME})")
+    if not os.path.exists(os.path.join(local_dir, WRITES_DIR, JOURNAL_NAME)):
+        raise FanstoreError(f"{local_dir} holds no written files (no {WRITES_DIR}/{JOURNAL_NAME})")
     pid = owner_pid(local_dir)
     if pid and not force:
         raise FanstoreError(

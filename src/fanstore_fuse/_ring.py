@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
 import xxhash
 
@@ -303,3 +304,36 @@ def hash_shares(ring: Ring) -> dict[int, float]:
         out[own[i]] += share[i]
     total = sum(out.values())
     return {n: v / total for n, v in out.items()}
+
+
+class Locator(Protocol):
+    """Where metadata and blobs live: `Placement` (the ring) or `LocalOnlyPlacement`."""
+
+    nranks: int
+
+    def locate_metadata(self, path: bytes) -> int: ...
+
+    def locate_data(self, blob_id: int) -> list[int]: ...
+
+    def holds(self, rank: int, blob_id: int) -> bool: ...
+
+    def blobs_for_rank(self, rank: int, nblobs: int) -> list[int]: ...
+
+
+class LocalOnlyPlacement:
+    """Everything on rank 0 (after GekkoFS's `LocalOnlyDistributor`): one rank runs the same
+    cluster code as N ranks, and every question it would ask a peer is answered locally."""
+
+    nranks = 1
+
+    def locate_metadata(self, path: bytes) -> int:
+        return 0
+
+    def locate_data(self, blob_id: int) -> list[int]:
+        return [0]
+
+    def holds(self, rank: int, blob_id: int) -> bool:
+        return rank == 0
+
+    def blobs_for_rank(self, rank: int, nblobs: int) -> list[int]:
+        return list(range(nblobs)) if rank == 0 else []

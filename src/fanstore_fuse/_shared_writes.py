@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from ._errors import ChecksumError, FanstoreError, NotFound, PeerError
+from ._errors import ChecksumError, Exists, FanstoreError, NotCommitted, NotFound, PeerError
 from ._format import KIND_DIR, checksum
 from ._messages import (
     OP_W_LIST,
@@ -32,18 +32,14 @@ from ._messages import (
     unpack,
 )
 from ._namespace import Record
-from ._ring import Placement
-from ._transport import MpiTransport, RemoteError
-from ._writes import CHUNK, NotCommitted, WriteStore
+from ._ring import Locator
+from ._transport import RemoteError, Transport
+from .writes import CHUNK, WriteStore
 
 log = logging.getLogger("fanstore_fuse.shared_writes")
 
 REMOTE_INODE_BASE = 1 << 41  # inodes of entries written on other ranks
 SILENT_SECONDS = 30.0
-
-
-class Conflict(FanstoreError):
-    errno = errno.EEXIST
 
 
 @dataclass
@@ -78,7 +74,7 @@ def _parent(path: bytes) -> bytes:
 
 
 class SharedWrites:
-    def __init__(self, rank: int, placement: Placement, transport: MpiTransport,
+    def __init__(self, rank: int, placement: Locator, transport: Transport,
                  store: WriteStore | None, timeout: float):
         self.rank = rank
         self.placement = placement
@@ -161,7 +157,7 @@ class SharedWrites:
                 n.start_soon(one, r)
         for ex in errors:
             if ex.errno == errno.EEXIST:
-                raise Conflict(f"{path!r} was created on another node")
+                raise Exists(f"{path!r} was created on another node")
         if errors:
             raise PeerError(f"publishing {path!r}: {errors[0]}")
 
@@ -260,7 +256,7 @@ class SharedWrites:
         if self.placement.locate_metadata(e.path) == self.rank:
             old = self.entries.get(e.path)
             if exclusive and old is not None and old.writer != e.writer:
-                raise Conflict(f"{e.path!r} exists (written on rank {old.writer})")
+                raise Exists(f"{e.path!r} exists (written on rank {old.writer})")
             self.entries[e.path] = e
         parent = _parent(e.path)
         if self.placement.locate_metadata(parent) == self.rank:

@@ -20,12 +20,10 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import xxhash
-
-from ._errors import FanstoreError
-from ._format import HASH_SEED
+from ._errors import ChecksumError, FanstoreError
+from ._fsio import write_all
 from ._safepath import Escape, open_beneath
-from ._writes import CHUNK, CommitInfo, WriteStore
+from .writes import WRITES_DIR, CommitInfo, WriteStore, hash_file
 
 log = logging.getLogger("fanstore_fuse.stageout")
 
@@ -104,31 +102,24 @@ def copy_verified(src: str, commit: CommitInfo, dest: str, verify_dest: bool = T
         dfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
                       dir_fd=dir_fd)
         try:
-            h = xxhash.xxh3_64(seed=HASH_SEED)
-            off = 0
-            while off < commit.size:
-                data = os.pread(sfd, min(CHUNK, commit.size - off), off)
-                if not data:
-                    raise _Mismatch(f"local copy ended at {off} bytes, {commit.size} committed")
-                h.update(data)
-                mv = memoryview(data)
-                while mv:
-                    mv = mv[os.write(dfd, mv):]
-                off += len(data)
-            if h.intdigest() != commit.xxh3:
+            try:
+                digest = hash_file(sfd, commit.size, False, lambda data: write_all(dfd, data))[0]
+            except ChecksumError as e:
+                raise _Mismatch(f"local copy: {e}") from None
+            if digest != commit.xxh3:
                 raise _Mismatch("local copy does not match its committed xxh3 (changed after close)")
             os.fsync(dfd)
             os.fchmod(dfd, stat.S_IMODE(commit.mode))
         finally:
             os.close(dfd)
         if verify_dest:
-            h = xxhash.xxh3_64(seed=HASH_SEED)
-            n = 0
-            with os.fdopen(os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd), "rb") as f:
-                while chunk := f.read(CHUNK):
-                    h.update(chunk)
-                    n += len(chunk)
-            if n != commit.size or h.intdigest() != commit.xxh3:
+            rfd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
+            try:
+                n = os.fstat(rfd).st_size
+                back = hash_file(rfd, n, False)[0]
+            finally:
+                os.close(rfd)
+            if n != commit.size or back != commit.xxh3:
                 raise _Mismatch("the copy read back from the destination does not match")
         os.utime(tmp, ns=(commit.mtime_ns, commit.mtime_ns), dir_fd=dir_fd, follow_symlinks=False)
         os.replace(tmp, dest, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
@@ -174,7 +165,7 @@ def stage_out(
     try:
         for src in stores_or_local_dirs:
             if isinstance(src, str):
-                if not os.path.exists(os.path.join(src, "writes")):
+                if not os.path.exists(os.path.join(src, WRITES_DIR)):
                     summary.warnings.append(f"{src}: no written files")
                     continue
                 store = WriteStore(src, readonly=True)

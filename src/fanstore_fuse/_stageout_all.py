@@ -26,6 +26,7 @@ import trio
 from ._errors import FanstoreError
 from ._messages import OP_PING, OP_STAGE_OUT, Frame, HandlerTable, ProtocolError, pack, unpack
 from ._mountctl import MountState, pid_alive, state_dir
+from .writes import WRITES_DIR
 
 REMOTE_TIMEOUT = 3600.0  # a node may have a lot to copy
 PING_TIMEOUT = 10.0
@@ -64,7 +65,7 @@ def register(table: HandlerTable, rank: int, local_dir: str) -> None:
 def _stage_local(local_dir: str, out: str) -> dict[str, Any]:
     from ._stageout import stage_out
 
-    if not os.path.exists(os.path.join(local_dir, "writes")):
+    if not os.path.exists(os.path.join(local_dir, WRITES_DIR)):
         return {"files": 0, "bytes": 0, "ok": True, "failures": [], "unclosed": []}
     # The journal is replayed read-only from disk, so the live store is not touched.
     return stage_out(local_dir, out, unclosed_is_failure=False).as_dict()

@@ -16,7 +16,7 @@ import os
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -31,13 +31,11 @@ from ._messages import (
     decode,
     request_id_of,
 )
+from ._settings import Settings
 
 log = logging.getLogger("fanstore_fuse.transport")
 
-MAX_IDLE_SLEEP = float(os.environ.get("FANSTORE_MPI_MAX_SLEEP", "0.001"))  # while recently busy
 LONG_IDLE_SLEEP = 0.005  # after about a second without traffic
-SPIN_ROUNDS = int(os.environ.get("FANSTORE_MPI_SPIN", "20"))  # sleep(0) polls before backing off
-SEND_POLL = float(os.environ.get("FANSTORE_MPI_SEND_POLL", "20e-6"))  # poll while sends pend
 MAX_SERVING = 64  # concurrent requests served per daemon
 
 
@@ -49,6 +47,20 @@ class RemoteError(FanstoreError):
         self.errno = code
 
 
+def read_reply(dest: int, op: int, raw: bytes | bytearray) -> Frame:
+    """The answer of rank `dest` to a request `op`: PeerError if it does not decode,
+    RemoteError (with the peer's errno and message) if it is an error reply."""
+    opname = OP_NAMES.get(op, str(op))
+    try:
+        resp = decode(raw)
+    except ProtocolError as e:
+        raise PeerError(f"rank {dest} sent a malformed {opname} reply: {e}") from None
+    if resp.err:
+        msg = bytes(resp.body).decode(errors="replace") or os.strerror(resp.err)
+        raise RemoteError(f"rank {dest} {opname}: {msg}", resp.err)
+    return resp
+
+
 class _Waiter:
     __slots__ = ("event", "data", "error")
 
@@ -58,9 +70,40 @@ class _Waiter:
         self.error: str | None = None
 
 
+class Transport(Protocol):
+    """Requests to other ranks, and serving theirs: `MpiTransport`, or `NoPeers` for one rank."""
+
+    rank: int
+    size: int
+    bytes_sent: int
+    bytes_received: int
+    requests_in_flight: int
+    peak_in_flight: int
+    served: int
+
+    async def run(self) -> None: ...
+
+    async def request(self, dest: int, frame: Frame, timeout: float) -> Frame: ...
+
+
+class NoPeers:
+    """The transport of a single rank: nobody to ask (every request is a PeerError)."""
+
+    rank = 0
+    size = 1
+    bytes_sent = bytes_received = requests_in_flight = peak_in_flight = served = 0
+
+    async def run(self) -> None:
+        return None
+
+    async def request(self, dest: int, frame: Frame, timeout: float) -> Frame:
+        raise PeerError(f"there is no rank {dest}: this mount has one rank")
+
+
 class MpiTransport:
-    def __init__(self, comm: Any, handlers: HandlerTable):
+    def __init__(self, comm: Any, handlers: HandlerTable, settings: Settings):
         self.comm = comm
+        self.settings = settings
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.handlers = handlers
@@ -127,20 +170,13 @@ class MpiTransport:
         finally:
             self.requests_in_flight -= 1
             self._pending.pop(rid, None)
-        opname = OP_NAMES.get(frame.op, str(frame.op))
         if not w.event.is_set():
+            opname = OP_NAMES.get(frame.op, str(frame.op))
             raise PeerError(f"rank {dest} did not answer {opname} within {timeout:g} s")
         if w.error is not None:
             raise PeerError(f"rank {dest}: {w.error}")
         assert w.data is not None
-        try:
-            resp = decode(w.data)
-        except ProtocolError as e:
-            raise PeerError(f"rank {dest} sent a malformed {opname} reply: {e}") from None
-        if resp.err:
-            msg = bytes(resp.body).decode(errors="replace") or os.strerror(resp.err)
-            raise RemoteError(f"rank {dest} {opname}: {msg}", resp.err)
-        return resp
+        return read_reply(dest, frame.op, w.data)
 
     def _deliver(self, source: int, tag: int, buf: bytearray) -> None:
         if tag == TAG_REQUEST and self._req_send is not None:
@@ -168,6 +204,8 @@ class MpiTransport:
         bufs: list[bytes | bytearray] = []
         token = self._token
         assert token is not None
+        spin, max_sleep = self.settings.mpi_spin, self.settings.mpi_max_sleep
+        send_poll = self.settings.mpi_send_poll
         idle = 0
         while not self._stop.is_set():
             busy = False
@@ -211,14 +249,14 @@ class MpiTransport:
             if sends:
                 # A large send moves only while this thread drives progress: keep polling,
                 # without starving the trio thread of the GIL.
-                time.sleep(SEND_POLL)
+                time.sleep(send_poll)
                 continue
             idle += 1
-            if idle < SPIN_ROUNDS:
+            if idle < spin:
                 time.sleep(0)
             else:
-                delay = min(MAX_IDLE_SLEEP, 20e-6 * (idle - SPIN_ROUNDS + 1))
-                if idle > SPIN_ROUNDS + 1000:
+                delay = min(max_sleep, 20e-6 * (idle - spin + 1))
+                if idle > spin + 1000:
                     delay = LONG_IDLE_SLEEP
                 if self._wake.wait(delay):
                     self._wake.clear()

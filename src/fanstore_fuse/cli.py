@@ -461,7 +461,3 @@ def _as_job_user(p, verb: str, timeout: float):
         return None
     except FanstoreError as e:
         return subprocess.CompletedProcess([], 1, "", str(e))
-
-
-def main() -> None:  # pragma: no cover
-    app(prog_name="fanstore-fuse")

@@ -1,0 +1,49 @@
+"""Small file-system helpers every module shares: atomic replacement of a file, directory fsync."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from ._safepath import open_private
+
+
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries durable (best effort: some file systems refuse)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    """os.write until every byte is written (a write may be short)."""
+    mv = memoryview(data)
+    while mv:
+        mv = mv[os.write(fd, mv) :]
+
+
+def atomic_write(path: str, data: bytes | str, durable: bool = True) -> None:
+    """Replace `path` with `data` all at once: a private (0600) temporary name in the same
+    directory, opened as `_safepath.open_private` does (never through a symlink, never another
+    user's file), then rename. A reader sees the old file or the new one, never a part. With
+    `durable` the bytes and the rename are fsync'd."""
+    raw = data.encode() if isinstance(data, str) else data
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            write_all(fd, raw)
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if durable:
+        fsync_dir(os.path.dirname(os.path.abspath(path)))

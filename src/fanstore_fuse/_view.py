@@ -1,0 +1,453 @@
+"""The mount view: what the mount shows, merged from the dataset and the written files.
+
+Three sources, one inode space (`origin`):
+
+- the dataset `Namespace` through a `Node`: inodes ``1..n_entries``, read-only (EROFS);
+- files and directories written on this rank, a `WriteStore`: ``WRITE_INODE_BASE + k``;
+- files written on other ranks, `SharedWrites`: ``REMOTE_INODE_BASE + k``, read-only here (EPERM).
+
+File handles: a dataset file's handle is its inode, a written file's is ``WRITE_FH`` plus the
+store's handle, a remote file's ``REMOTE_FH`` plus a counter. The view answers lookups,
+attributes, listings (dataset children first, then written ones the dataset does not have),
+opens, reads and writes, publishes written entries to the other ranks (create, close, rename,
+unlink), and computes the statfs figures. It raises domain errors only; `_fuse_ops` turns
+requests into calls here and errors into errnos.
+
+Blocking: `WriteStore` calls that touch the disk go through `_disk`, the one bridge to worker
+threads (small reads and writes, page-cache copies, stay on the trio thread). The store's
+queries (getattr, lookup, listdir, path) are memory work under a lock that no fsync or hash is
+ever done under, so they are called directly.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import trio
+
+from ._errors import (
+    AccessDenied,
+    Exists,
+    FanstoreError,
+    NoData,
+    NotADirectory,
+    NotFound,
+    NotPermitted,
+    PeerError,
+    ReadOnly,
+    Unsupported,
+)
+from ._format import KIND_DIR
+from ._namespace import Record
+from ._node import Node
+from ._shared_writes import REMOTE_INODE_BASE, Published, SharedWrites
+from .writes import WRITE_INODE_BASE, WriteStore
+
+log = logging.getLogger("fanstore_fuse.view")
+
+ENTRY_TIMEOUT = 3600.0  # the dataset is immutable for the life of the mount
+WRITTEN_TIMEOUT = 1.0  # written files change: cache their attributes briefly
+BIG_IO = 64 << 10  # reads and writes of written files from this size on go to a worker thread
+WRITE_FH = 1 << 62  # file handles at or above this are WriteStore handles
+REMOTE_FH = 1 << 61  # handles of files written on other ranks
+XATTR_PREFIX = b"user.fanstore."
+STATUS_XATTR = XATTR_PREFIX + b"status"
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
+LISTING_BATCH = 256
+
+DATASET, HERE, ELSEWHERE = "dataset", "here", "elsewhere"
+T = TypeVar("T")
+
+
+def origin(inode: int) -> str:
+    """Which source an inode (or file handle of the same range) belongs to."""
+    if inode >= REMOTE_INODE_BASE:
+        return ELSEWHERE
+    if inode >= WRITE_INODE_BASE:
+        return HERE
+    return DATASET
+
+
+def _join(parent: bytes, name: bytes) -> bytes:
+    return parent + b"/" + name if parent else name
+
+
+@dataclass
+class FsFigures:
+    """statfs in 4 KiB blocks: the dataset's size plus what may still be written here."""
+
+    blocks: int
+    free: int
+    files: int
+
+
+class MountView:
+    def __init__(self, node: Node, writes: WriteStore | None, shared: SharedWrites | None,
+                 owner_uid: int, status: Callable[[], Awaitable[dict[str, object]]]):
+        self.node = node
+        self.status = status  # every rank's counters (the root's user.fanstore.status)
+        self.writes = writes
+        self.shared = shared  # files written on other ranks (and the publishing of ours)
+        self.owner_uid = owner_uid
+        self._remote_open: dict[int, tuple[Published, dict[int, bytes]]] = {}
+        self._next_remote_fh = 0
+
+    @property
+    def writable(self) -> bool:
+        return self.writes is not None or self.shared is not None
+
+    @staticmethod
+    def cache_seconds(inode: int) -> float:
+        """How long the kernel may cache an entry's attributes."""
+        o = origin(inode)
+        if o == ELSEWHERE:
+            return 0.0  # written on another rank: revalidate every time (close-to-open)
+        return WRITTEN_TIMEOUT if o == HERE else ENTRY_TIMEOUT
+
+    # ------------------------------------------------------------ the bridge to the store
+
+    def _w(self) -> WriteStore:
+        if self.writes is None:
+            raise ReadOnly("this mount is read-only")
+        return self.writes
+
+    async def _disk(self, fn: Callable[..., T], *args: object, nbytes: int = BIG_IO) -> T:
+        """The one way to a WriteStore call that touches the disk: a worker thread, except
+        small reads and writes (below BIG_IO bytes), which are page-cache copies."""
+        if nbytes < BIG_IO:
+            return fn(*args)
+        return await trio.to_thread.run_sync(fn, *args)
+
+    # ------------------------------------------------------------ names and attributes
+
+    async def _record_at(self, path: bytes) -> Record:
+        """The entry at a mount-relative path: the dataset's, else a written one."""
+        try:
+            return await self.node.record(self.node.ns.resolve(path))
+        except NotFound:
+            pass
+        try:
+            return self._w().getattr(path)
+        except NotFound:
+            if self.shared is None:
+                raise
+            return self.shared.record(await self.shared.stat(path))
+
+    def _remote_path(self, inode: int) -> bytes:
+        if self.shared is None:
+            raise NotFound(f"inode {inode} unknown")
+        return self.shared.path(inode)
+
+    async def _dir_path(self, inode: int) -> bytes:
+        o = origin(inode)
+        if o == ELSEWHERE:
+            return self._remote_path(inode)
+        if o == HERE:
+            return self._w().path(inode)
+        rec = await self.node.record(inode - 1)
+        if not rec.is_dir:
+            raise NotADirectory(f"inode {inode} is not a directory")
+        return self.node.ns.path(inode - 1)
+
+    def _in_dataset(self, parent_inode: int, name: bytes) -> bool:
+        if origin(parent_inode) != DATASET:
+            return False
+        try:
+            self.node.ns.lookup(parent_inode - 1, name)
+            return True
+        except NotFound:
+            return False
+
+    async def _written_lookup(self, ppath: bytes, name: bytes) -> Record:
+        """A written entry: this rank's own, else one published by another rank."""
+        if self.writes is not None:
+            try:
+                return self.writes.lookup(ppath, name)
+            except NotFound:
+                pass
+        if self.shared is None:
+            raise NotFound(f"{name!r} not found")
+        return self.shared.record(await self.shared.stat(_join(ppath, name)))
+
+    async def lookup(self, parent: int, name: bytes) -> Record:
+        if origin(parent) != DATASET:
+            path = await self._dir_path(parent)
+            if name == b"..":
+                return await self._record_at(path.rpartition(b"/")[0])
+            if name == b".":
+                return await self._record_at(path)
+            return await self._written_lookup(path, name)
+        try:
+            return await self.node.lookup(parent - 1, name)
+        except NotFound:
+            if not self.writable:
+                raise
+            return await self._written_lookup(self.node.ns.path(parent - 1), name)
+
+    async def getattr(self, inode: int) -> Record:
+        o = origin(inode)
+        if o == ELSEWHERE:
+            assert self.shared is not None
+            return self.shared.record(await self.shared.stat(self._remote_path(inode)))
+        if o == HERE:
+            w = self._w()
+            return w.getattr(w.path(inode))
+        return await self.node.record(inode - 1)
+
+    async def readlink(self, inode: int) -> bytes:
+        if origin(inode) != DATASET:
+            raise Unsupported("written entries are never symlinks", errno.EINVAL)
+        return await self.node.readlink(inode - 1)
+
+    # ------------------------------------------------------------ directories
+
+    async def opendir(self, inode: int) -> int:
+        await self._dir_path(inode)
+        return inode
+
+    async def listing(self, fh: int, start: int) -> tuple[list[Record], bool]:
+        """Entries from position `start` of a directory, and whether more may follow: the
+        dataset's children in batches, then (in one batch) the written entries it lacks."""
+        n_ds = 0
+        if origin(fh) == DATASET:
+            n_ds = len(self.node.ns.children(fh - 1))
+            if start < n_ds:
+                return await self.node.listdir(fh - 1, start, LISTING_BATCH), True
+        if not self.writable:
+            return [], False
+        extra = await self._written_children(await self._dir_path(fh), fh)
+        return extra[start - n_ds :], False
+
+    async def _written_children(self, path: bytes, parent_inode: int) -> list[Record]:
+        out: list[Record] = []
+        if self.writes is not None:
+            try:
+                out = [r for r in self.writes.listdir(path)
+                       if not self.writes.is_shadow(_join(path, r.name))]
+            except FanstoreError:
+                out = []
+        if self.shared is not None:
+            seen = {r.name for r in out}
+            try:
+                remote = await self.shared.listdir(path)
+            except PeerError as e:  # a silent owner must not break listing the dataset
+                log.warning("listing %r without files written elsewhere: %s", path, e)
+                remote = []
+            for ent in remote:
+                r = self.shared.record(ent)
+                if r.name not in seen and ent.writer != self.shared.rank:
+                    out.append(r)
+        out = [r for r in out if not self._in_dataset(parent_inode, r.name)]
+        out.sort(key=lambda r: r.name)
+        return out
+
+    # ------------------------------------------------------------ files
+
+    async def open(self, inode: int, flags: int) -> tuple[int, bool]:
+        """(file handle, keep the page cache)."""
+        o = origin(inode)
+        if o == ELSEWHERE:
+            if flags & WRITE_FLAGS:
+                raise NotPermitted("only the writing node may change this file")
+            assert self.shared is not None
+            e = await self.shared.stat(self._remote_path(inode))  # close-to-open: fresh state
+            self._next_remote_fh += 1
+            fh = REMOTE_FH + self._next_remote_fh
+            self._remote_open[fh] = (e, {})
+            return fh, False
+        if o == HERE:
+            w = self._w()
+            return WRITE_FH + await self._disk(w.open, w.path(inode), flags), False
+        if flags & WRITE_FLAGS:
+            raise ReadOnly("the dataset is read-only")
+        return inode, True
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        if REMOTE_FH <= fh < WRITE_FH:
+            e, cache = self._remote_open[fh]
+            assert self.shared is not None
+            return await self.shared.read(e, off, size, cache)
+        if fh >= WRITE_FH:
+            return await self._disk(self._w().read, fh - WRITE_FH, off, size, nbytes=size)
+        try:
+            return await self.node.read(fh - 1, off, size)
+        except FanstoreError as e:
+            raise e.about(f"read {self.node.path(fh - 1)}") from e
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        if fh < WRITE_FH:
+            raise ReadOnly("the dataset is read-only")
+        return await self._disk(self._w().write, fh - WRITE_FH, off, buf, nbytes=len(buf))
+
+    async def flush(self, fh: int) -> None:
+        """close(2) of a written file commits it and publishes it to the other ranks before
+        returning: that is what makes close-to-open hold. A no-op for dataset files; ENOSYS
+        on a read-only mount tells the kernel to stop sending flush at all."""
+        if not self.writable:
+            raise Unsupported("read-only mount", errno.ENOSYS)
+        if fh >= WRITE_FH:
+            await self._disk(self._w().flush, fh - WRITE_FH)
+            await self._publish_fh(fh)
+
+    async def fsync(self, fh: int) -> None:
+        if fh >= WRITE_FH:
+            await self._disk(self._w().fsync, fh - WRITE_FH)
+            await self._publish_fh(fh)
+
+    async def release(self, fh: int) -> None:
+        if REMOTE_FH <= fh < WRITE_FH:
+            self._remote_open.pop(fh, None)
+        elif fh >= WRITE_FH:
+            await self._disk(self._w().close, fh - WRITE_FH)
+
+    async def _publish_fh(self, fh: int) -> None:
+        if self.shared is not None:
+            path = self._w().handle_path(fh - WRITE_FH)
+            if path is not None:
+                await self.shared.publish(path)
+
+    async def _publish(self, path: bytes, exclusive: bool = False) -> None:
+        if self.shared is not None:
+            await self.shared.publish(path, exclusive)
+
+    # ------------------------------------------------------------ changing the namespace
+
+    async def _new_target(self, parent: int, name: bytes) -> bytes:
+        """Where an entry named `name` goes; dataset directories get shadows in the store."""
+        ppath = await self._dir_path(parent)
+        if origin(parent) != HERE:
+            await self._disk(self._w().makedirs_shadow, ppath)
+        return _join(ppath, name)
+
+    async def _new_path(self, parent: int, name: bytes) -> bytes:
+        """A new name: EEXIST over a dataset name or one another rank wrote."""
+        self._w()
+        if self._in_dataset(parent, name):
+            raise Exists(f"{name!r} exists in the dataset")
+        path = await self._new_target(parent, name)
+        if self.shared is not None:
+            try:
+                await self.shared.stat(path)
+                raise Exists(f"{name!r} was written on another node")
+            except NotFound:
+                pass
+        return path
+
+    async def _written_path(self, parent: int, name: bytes) -> bytes:
+        """A path this rank wrote and may change (EROFS: dataset; EPERM: another rank's)."""
+        if self._in_dataset(parent, name):
+            raise ReadOnly(f"{name!r} belongs to the read-only dataset")
+        path = _join(await self._dir_path(parent), name)
+        if self.shared is not None and not self._w().exists(path):
+            await self.shared.stat(path)  # NotFound if nobody wrote it
+            raise NotPermitted(f"{name!r} was written on another node")
+        return path
+
+    async def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
+                     gid: int) -> tuple[int, Record]:
+        path = await self._new_path(parent, name)
+        fh, rec = await self._disk(self._w().create, path, mode, flags, uid, gid)
+        await self._publish(path, exclusive=True)
+        return WRITE_FH + fh, rec
+
+    async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Record:
+        path = await self._new_path(parent, name)
+        rec = await self._disk(self._w().mkdir, path, mode, False, uid, gid)
+        await self._publish(path, exclusive=True)
+        return rec
+
+    async def remove(self, parent: int, name: bytes, is_dir: bool) -> None:
+        """unlink (a file) or rmdir (an empty directory) of a written entry."""
+        path = await self._written_path(parent, name)
+        w = self._w()
+        await self._disk(w.rmdir if is_dir else w.unlink, path)
+        if self.shared is not None:
+            await self.shared.unpublish(path)
+
+    async def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes,
+                     noreplace: bool) -> None:
+        old = await self._written_path(parent_old, name_old)
+        if self._in_dataset(parent_new, name_new):
+            raise ReadOnly(f"{name_new!r} belongs to the read-only dataset")
+        new = await self._new_target(parent_new, name_new)
+        w = self._w()
+        before = [p for p, *_ in w.walk() if p == old or p.startswith(old + b"/")]
+        await self._disk(w.rename, old, new, noreplace)
+        if self.shared is not None:
+            for p in before:
+                await self.shared.unpublish(p)
+            for p, *_ in w.walk():
+                if (p == new or p.startswith(new + b"/")) and not w.is_shadow(p):
+                    await self.shared.publish(p)
+
+    async def setattr(self, inode: int, fh: int | None, size: int | None, mode: int | None,
+                      mtime_ns: int | None, owner: bool) -> Record:
+        """truncate/chmod/utimens of a written entry (`owner`: a chown was asked: EPERM)."""
+        o = origin(inode)
+        if o == ELSEWHERE:
+            raise NotPermitted("only the writing node may change this entry")
+        if o == DATASET:
+            raise ReadOnly("the dataset is read-only")
+        w = self._w()
+        path = w.path(inode)
+        if owner:
+            raise NotPermitted("written entries keep their owner")
+        if size is not None:
+            target = fh - WRITE_FH if fh is not None and fh >= WRITE_FH else path
+            await self._disk(w.truncate, target, size)
+        if mode is not None:
+            await self._disk(w.chmod, path, mode, nbytes=0)
+        if mtime_ns is not None:
+            await self._disk(w.utimens, path, mtime_ns, nbytes=0)
+        rec = w.getattr(path)
+        if self.shared is not None and (rec.kind == KIND_DIR or not w.is_dirty(path)):
+            await self.shared.publish(path)
+        return rec
+
+    # ------------------------------------------------------------ figures and xattrs
+
+    def statfs(self) -> FsFigures:
+        blocks = (self.node.dataset_bytes() + 4095) // 4096
+        free = 0
+        if self.writes is not None:
+            v = os.statvfs(self.writes.local_dir)
+            room = v.f_bavail * v.f_frsize
+            if self.writes.quota_bytes is not None:
+                room = max(0, min(room, self.writes.quota_bytes - self.writes.used_bytes))
+            free = room // 4096
+            blocks += free + (self.writes.used_bytes + 4095) // 4096
+        return FsFigures(blocks, free, len(self.node.ns))
+
+    def _xattrs(self, inode: int) -> dict[bytes, bytes]:
+        if origin(inode) != DATASET:
+            return {}
+        rec = self.node.ns.record(inode - 1)
+        if rec.kind != 0:
+            return {}
+        return {XATTR_PREFIX + b"blobs": str(rec.count).encode(),
+                XATTR_PREFIX + b"partitions": ",".join(self.node.partitions(inode - 1)).encode()}
+
+    def _control_allowed(self, uid: int) -> bool:
+        return uid in (0, self.owner_uid)
+
+    async def getxattr(self, inode: int, name: bytes, uid: int) -> bytes:
+        if inode == 1 and name == STATUS_XATTR:
+            if not self._control_allowed(uid):
+                raise AccessDenied("the status is for the mount's owner")
+            return json.dumps(await self.status()).encode()
+        value = self._xattrs(inode).get(name)
+        if value is None:
+            raise NoData(f"no attribute {name!r}")
+        return value
+
+    def listxattr(self, inode: int, uid: int) -> list[bytes]:
+        names = list(self._xattrs(inode))
+        if inode == 1 and self._control_allowed(uid):
+            names.append(STATUS_XATTR)
+        return names

@@ -1,0 +1,263 @@
+"""`WriteStore`: the files and directories written into the mount on this node.
+
+Pure library code: no FUSE, no MPI (see docs/semantics.md for the guarantees). A file's bytes
+are written in place with ``pwrite`` under ``LOCAL/writes/data/`` (see `_journal` for the
+layout). ``close`` (of a handle that changed the file) and ``fsync`` *commit* it: the data file
+is fsync'd, its size, xxh3-64 and one xxh3-64 per ``CHUNK`` are appended to the journal, and the
+journal is fsync'd. Namespace changes (mkdir, create, unlink, rmdir, rename, chmod/utimens) are
+journal records too; mkdir, unlink, rmdir and rename are fsync'd before they return.
+
+Locking: one lock guards the in-memory state and is held only for memory work and short
+``pwrite``/``pread`` calls. Every fsync (data file, journal, directory) and the hashing of a
+whole file at commit run *without* the lock, so a 1 GB checkpoint being committed does not
+stop lookups, listings or other files' reads and writes. A commit re-checks afterwards that
+the file did not change meanwhile (`Entry.version`), and hashes again if it did.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import time
+from collections.abc import Iterator
+
+from .._errors import (
+    ChecksumError,
+    Exists,
+    InvalidArgument,
+    IsADirectory,
+    NotADirectory,
+    NotCommitted,
+    NotEmpty,
+    NotFound,
+    os_error,
+)
+from .._format import KIND_DIR, KIND_FILE, checksum
+from .._namespace import Record
+from ._files import FileStore
+from ._hashing import CHUNK
+from ._tree import CommitInfo, PathLike, split_path
+
+log = logging.getLogger("fanstore_fuse.writes")
+
+
+class WriteStore(FileStore):
+    """Files and directories written into the mount on this node (see the module docstring)."""
+
+    # ------------------------------------------------------------ namespace
+
+    def exists(self, path: PathLike) -> bool:
+        with self._lock:
+            try:
+                self.tree.entry(path)
+                return True
+            except (NotFound, NotADirectory):
+                return False
+
+    def getattr(self, path: PathLike) -> Record:
+        with self._lock:
+            return self.tree.record(self.tree.entry(path))
+
+    def lookup(self, parent: PathLike, name: bytes) -> Record:
+        with self._lock:
+            k = self.tree.entry(parent).kids.get(name)
+            if k is None:
+                raise NotFound(f"{name!r} not found")
+            return self.tree.record(self.tree.ents[k])
+
+    def listdir(self, path: PathLike) -> list[Record]:
+        """Children sorted by name (the mount view merges them with dataset children)."""
+        with self._lock:
+            d = self.tree.entry(path)
+            return [self.tree.record(self.tree.ents[d.kids[n]]) for n in sorted(d.kids)]
+
+    def _mkdir(self, path: PathLike, mode: int, shadow: bool, uid: int | None,
+               gid: int | None) -> Record:
+        parent, e = self._new_entry(path, KIND_DIR, mode, uid, gid, shadow)
+        self._log_new(parent, e)
+        self.tree.add(parent, e)
+        parent.mtime_ns = e.mtime_ns
+        return self.tree.record(e)
+
+    def mkdir(self, path: PathLike, mode: int = 0o755, shadow: bool = False,
+              uid: int | None = None, gid: int | None = None) -> Record:
+        with self._lock:
+            rec = self._mkdir(path, mode, shadow, uid, gid)
+        self._sync()
+        return rec
+
+    def makedirs_shadow(self, path: PathLike) -> None:
+        """Make sure every directory of `path` exists here, as shadows of dataset directories.
+
+        Called before a create/mkdir inside a dataset directory; shadow directories are
+        structure only (stage-out recreates them; they are not written dirs).
+        """
+        made = False
+        with self._lock:
+            parts = split_path(path)
+            for i in range(1, len(parts) + 1):
+                try:
+                    e = self.tree.walk(parts[:i])
+                except NotFound:
+                    self._mkdir(b"/".join(parts[:i]), 0o755, True, None, None)
+                    made = True
+                    continue
+                if e.kind != KIND_DIR:
+                    raise NotADirectory(f"{b'/'.join(parts[:i])!r} is not a directory")
+        if made:
+            self._sync()
+
+    def rmdir(self, path: PathLike) -> None:
+        with self._lock:
+            parent, name, e = self.tree.child(path)
+            if e.kind != KIND_DIR:
+                raise NotADirectory(f"{path!r} is not a directory")
+            if e.children:
+                raise NotEmpty(f"{path!r} is not empty")
+            self._log({"o": "rmdir", "p": parent.k, "n": name})
+            self._gone(self.tree.detach(parent, name))
+            parent.mtime_ns = time.time_ns()
+        self._sync()
+
+    def unlink(self, path: PathLike) -> None:
+        with self._lock:
+            parent, name, e = self.tree.child(path)
+            if e.kind == KIND_DIR:
+                raise IsADirectory(f"{path!r} is a directory")
+            self._log({"o": "unlink", "p": parent.k, "n": name})
+            self._gone(self.tree.detach(parent, name))
+            parent.mtime_ns = time.time_ns()
+        self._sync()
+
+    def rename(self, old: PathLike, new: PathLike, noreplace: bool = False) -> None:
+        """POSIX rename(2) within the written namespace (RENAME_NOREPLACE via `noreplace`)."""
+        with self._lock:
+            op, on = self.tree.parent_and_name(old)
+            np_, nn = self.tree.parent_and_name(new)
+            if on not in op.kids:
+                raise NotFound(f"{old!r} not found")
+            if noreplace and nn in np_.kids:
+                raise Exists(f"{new!r} exists")
+            self.tree.check_rename(op, on, np_, nn)
+            self._log({"o": "rename", "p": op.k, "n": on, "q": np_.k, "w": nn})
+            self._gone(self.tree.move(op.k, on, np_.k, nn))
+        self._sync()
+
+    def _set_attrs(self, path: PathLike, mode: int | None, mtime_ns: int | None) -> Record:
+        with self._lock:
+            e = self.tree.entry(path)
+            m = None if mode is None else stat.S_IFMT(e.mode) | (mode & 0o7777)
+            t = None if mtime_ns is None else int(mtime_ns)
+            self._log({"o": "attr", "k": e.k, "m": m, "t": t})
+            e.mode = e.mode if m is None else m
+            e.mtime_ns = e.mtime_ns if t is None else t
+            e.attrs_to_commit()
+            return self.tree.record(e)
+
+    def chmod(self, path: PathLike, mode: int) -> Record:
+        return self._set_attrs(path, mode, None)
+
+    def utimens(self, path: PathLike, mtime_ns: int) -> Record:
+        return self._set_attrs(path, None, mtime_ns)
+    # ------------------------------------------------------------ export (close-to-open)
+
+    def committed(self, path: PathLike) -> CommitInfo:
+        """The last closed/fsync'd version (size, xxh3, mtime, mode, chunks); NotCommitted if none."""
+        with self._lock:
+            e = self.tree.entry(path)
+            if e.kind == KIND_DIR:
+                raise IsADirectory(f"{path!r} is a directory")
+            if e.commit is None:
+                raise NotCommitted(f"{path!r} has not been closed yet")
+            return e.commit
+
+    commit_info = committed
+
+    def read_committed_chunk(self, path: PathLike, index: int) -> bytes:
+        """Chunk `index` (CHUNK bytes) of the committed version, verified against its xxh3.
+
+        A file rewritten after its last close fails verification for the changed chunks:
+        the caller gets ChecksumError (EIO), never bytes of a different version.
+        """
+        with self._lock:
+            data_path = self._data_path(self.tree.entry(path).k)
+            c = self.committed(path)
+        if index < 0 or index * CHUNK >= max(c.size, 1) or index >= len(c.chunks):
+            raise InvalidArgument(f"chunk {index} is outside {path!r}")
+        n = min(CHUNK, c.size - index * CHUNK)
+        try:
+            fd = os.open(data_path, os.O_RDONLY)
+            try:
+                data = os.pread(fd, n, index * CHUNK) if n else b""
+            finally:
+                os.close(fd)
+        except OSError as err:
+            raise os_error(err, f"read {path!r}") from None
+        if len(data) != n or checksum(data) != c.chunks[index]:
+            raise ChecksumError(
+                f"{os.fsdecode(path)}: chunk {index} does not match its committed checksum "
+                "(changed since the last close?)"
+            )
+        return data
+
+    def read_committed(self, path: PathLike, off: int, size: int) -> bytes:
+        """Bytes [off, off+size) of the committed version (clipped to its size), verified."""
+        c = self.committed(path)
+        end = min(c.size, off + max(size, 0))
+        if off >= end:
+            return b""
+        parts = []
+        for k in range(off // CHUNK, (end - 1) // CHUNK + 1):
+            data = self.read_committed_chunk(path, k)
+            base = k * CHUNK
+            parts.append(data[max(off, base) - base : end - base])
+        return b"".join(parts)
+
+    # ------------------------------------------------------------ listing for stage-out
+
+    def walk(self) -> Iterator[tuple[bytes, Record, CommitInfo | None, str | None]]:
+        """Every entry below the root, parents first: (path, record, commit, data file)."""
+        with self._lock:
+            out = [(p, self.tree.record(e), e.commit, None if e.kind == KIND_DIR else
+                    self._data_path(e.k)) for p, e in self.tree.entries()]
+        yield from out
+
+    def is_shadow(self, path: PathLike) -> bool:
+        with self._lock:
+            return self.tree.entry(path).shadow
+
+    def is_dirty(self, path: PathLike) -> bool:
+        """True if the file changed since its last commit (or was never committed)."""
+        with self._lock:
+            e = self.tree.entry(path)
+            return e.kind == KIND_FILE and (e.dirty or e.commit is None)
+
+    def status(self) -> dict[str, int | None]:
+        with self._lock:
+            files = sum(1 for e in self.tree.ents.values() if e.kind == KIND_FILE)
+            return {
+                **self.stats.as_dict(),
+                "write_used_bytes": self.used_bytes,
+                "write_quota_bytes": self.quota_bytes,
+                "written_files": files,
+                "written_dirs": len(self.tree.ents) - files - 1,
+                "open_handles": len(self._handles),
+            }
+
+    def close_store(self) -> None:
+        """Close handles (committing) and the journal. The data stays for stage-out."""
+        if not self.readonly:
+            self.close_all()
+        with self._lock:
+            for e in list(self.tree.ents.values()) + list(self._open_unlinked.values()):
+                if e.fd >= 0:
+                    os.close(e.fd)
+                    e.fd = -1
+            self.journal.close()
+
+    def __enter__(self) -> WriteStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close_store()

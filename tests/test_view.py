@@ -1,0 +1,209 @@
+"""Operations over a MountView, in process (after s3ql's t3_fs_api): no mount, no /dev/fuse.
+
+The handlers are called as pyfuse3 would call them, with a stand-in request context; readdir
+collects what `pyfuse3.readdir_reply` would send. Answers are compared with the source tree.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+from pathlib import Path
+
+import pyfuse3
+import pytest
+import trio
+from _ops import CTX, Ctx, errno_of, fields, listdir, read_all, resolve
+
+from fanstore_fuse import PrepOptions, prep
+from fanstore_fuse._blobstore import BlobStore
+from fanstore_fuse._compose import LocalOnlyPlacement, compose
+from fanstore_fuse._errors import ChecksumError
+from fanstore_fuse._format import MANIFEST_NAME, read_manifest
+from fanstore_fuse._fuse_ops import Operations
+from fanstore_fuse._settings import Settings
+from fanstore_fuse._transport import NoPeers
+from fanstore_fuse._view import WRITE_FH
+from fanstore_fuse.writes import WRITE_INODE_BASE, WriteStore
+
+
+@pytest.fixture
+def dest(src_tree: Path, tmp_path: Path) -> Path:
+    prep(src_tree, tmp_path / "dest", PrepOptions(partitions=2, chunk_size=1 << 20))
+    return tmp_path / "dest"
+
+
+@pytest.fixture
+def parts(dest: Path, tmp_path: Path):
+    """(Operations, MountView, WriteStore) over the prepped tree, served from DEST itself."""
+    store = WriteStore(str(tmp_path / "local"))
+    p = _compose(dest, store)
+    yield Operations(p.view), p.view, store
+    store.close_store()
+    p.close()
+
+
+def _compose(dest: Path, store: WriteStore | None):
+    """One rank's parts, as the daemon composes them, serving the prepped DEST in place."""
+    m = read_manifest(dest / MANIFEST_NAME)
+    blobs = BlobStore(m, str(dest))
+    p = compose(m, blobs, str(dest), LocalOnlyPlacement(), 0, lambda t: NoPeers(), store, Settings())
+    p.stores.append(blobs)  # closed with the parts
+    return p
+
+
+async def test_the_dataset_through_operations_matches_the_source(parts, src_tree, replies):
+    ops, _, _ = parts
+    src = os.fsencode(src_tree)
+    checked = 0
+    for dirpath, dirnames, filenames in os.walk(src):
+        rel = os.path.relpath(dirpath, src)
+        ino = pyfuse3.ROOT_INODE if rel == b"." else await resolve(ops, rel)
+        names = sorted(n for n in dirnames + filenames
+                       if stat.S_ISDIR(os.lstat(os.path.join(dirpath, n)).st_mode)
+                       or stat.S_ISREG(os.lstat(os.path.join(dirpath, n)).st_mode)
+                       or stat.S_ISLNK(os.lstat(os.path.join(dirpath, n)).st_mode))
+        assert await listdir(ops, ino, replies) == names
+        for n in names:
+            p = os.path.join(dirpath, n)
+            st = os.lstat(p)
+            a = await ops.lookup(ino, n, CTX)
+            assert a.st_mode == st.st_mode & ~(stat.S_ISUID | stat.S_ISGID) or a.st_mode == st.st_mode
+            assert a.entry_timeout == 3600.0
+            if stat.S_ISREG(st.st_mode):
+                assert a.st_size == st.st_size
+                with open(p, "rb") as f:
+                    assert await read_all(ops, a.st_ino) == f.read()
+                checked += 1
+            elif stat.S_ISLNK(st.st_mode):
+                assert await ops.readlink(a.st_ino, CTX) == os.readlink(p)
+    assert checked > 40
+
+
+async def test_readdir_resumes_where_the_kernel_stopped(parts, replies):
+    ops, _, _ = parts
+    sent, limit = replies
+    ino = await resolve(ops, b"classes/class_0")
+    whole = await listdir(ops, ino, replies)
+    limit["n"] = 5
+    sent.clear()
+    await ops.readdir(ino, 0, None)
+    first = list(sent)
+    limit["n"] = None
+    sent.clear()
+    await ops.readdir(ino, first[-1][2], None)
+    assert [n for n, _, _ in first + sent] == whole
+
+
+async def test_written_files_merge_into_dataset_directories(parts, replies):
+    ops, _, store = parts
+    d = await resolve(ops, b"a/b")
+    dataset = await listdir(ops, d, replies)
+    info, attr = await ops.create(d, b"new.bin", 0o100644, os.O_WRONLY | os.O_CREAT, CTX)
+    assert info.fh >= WRITE_FH and attr.st_ino > WRITE_INODE_BASE and attr.entry_timeout == 1.0
+    assert await ops.write(info.fh, 0, b"x" * 200_000) == 200_000  # off the trio thread
+    assert await ops.write(info.fh, 200_000, b"tail") == 4
+    await ops.flush(info.fh)
+    await ops.release(info.fh)
+    assert store.committed("a/b/new.bin").size == 200_004
+    assert await listdir(ops, d, replies) == dataset + [b"new.bin"]  # written ones last
+    looked = await ops.lookup(d, b"new.bin", CTX)
+    assert looked.st_ino == attr.st_ino and looked.st_size == 200_004
+    assert await read_all(ops, looked.st_ino) == b"x" * 200_000 + b"tail"
+    sub = await ops.mkdir(d, b"sub", 0o40755, CTX)
+    assert (await ops.lookup(sub.st_ino, b"..", CTX)).st_ino == d
+    await ops.rename(d, b"new.bin", sub.st_ino, b"moved.bin", 0, CTX)
+    assert await listdir(ops, sub.st_ino, replies) == [b"moved.bin"]
+    assert await errno_of(ops.rmdir(d, b"sub", CTX)) == errno.ENOTEMPTY
+    await ops.unlink(sub.st_ino, b"moved.bin", CTX)
+    await ops.rmdir(d, b"sub", CTX)
+    assert await listdir(ops, d, replies) == dataset
+
+
+async def test_errnos(parts):
+    ops, _, _ = parts
+    root = pyfuse3.ROOT_INODE
+    big = await ops.lookup(root, b"big.bin", CTX)
+    assert await errno_of(ops.lookup(root, b"missing", CTX)) == errno.ENOENT
+    assert await errno_of(ops.open(big.st_ino, os.O_WRONLY, CTX)) == errno.EROFS
+    assert await errno_of(ops.unlink(root, b"big.bin", CTX)) == errno.EROFS
+    assert await errno_of(ops.create(root, b"big.bin", 0o100644, os.O_WRONLY, CTX)) == errno.EEXIST
+    assert await errno_of(ops.opendir(big.st_ino, CTX)) == errno.ENOTDIR
+    assert await errno_of(ops.symlink(root, b"l", b"t", CTX)) == errno.EROFS
+    assert await errno_of(ops.rename(root, b"x", root, b"y", 4, CTX)) == errno.EINVAL
+    assert await errno_of(ops.getxattr(big.st_ino, b"user.nope", CTX)) == errno.ENODATA
+    assert await errno_of(ops.getxattr(root, b"user.fanstore.status", Ctx(uid=4242))) == errno.EACCES
+    attrs = pyfuse3.EntryAttributes()
+    assert await errno_of(ops.setattr(big.st_ino, attrs, fields(update_mode=True), None, CTX)) \
+        == errno.EROFS
+    info, attr = await ops.create(root, b"w", 0o100644, os.O_WRONLY, CTX)
+    assert await errno_of(ops.setattr(attr.st_ino, attrs, fields(update_uid=True), None, CTX)) \
+        == errno.EPERM
+    attrs.st_size = 3
+    assert (await ops.setattr(attr.st_ino, attrs, fields(update_size=True), info.fh, CTX)).st_size == 3
+    await ops.release(info.fh)
+
+
+async def test_xattrs_status_and_statfs(parts):
+    ops, _, store = parts
+    root = pyfuse3.ROOT_INODE
+    big = await ops.lookup(root, b"big.bin", CTX)
+    await read_all(ops, big.st_ino)
+    assert set(await ops.listxattr(big.st_ino, CTX)) == {b"user.fanstore.blobs",
+                                                          b"user.fanstore.partitions"}
+    assert await ops.getxattr(big.st_ino, b"user.fanstore.blobs", CTX) == b"3"
+    assert b"user.fanstore.status" in await ops.listxattr(root, CTX)
+    status = json.loads(await ops.getxattr(root, b"user.fanstore.status", CTX))
+    assert status["ranks"][0]["stats"]["cache_misses"] >= 1
+    s = await ops.statfs(CTX)
+    assert s.f_files > 50 and s.f_blocks >= (2 << 20) // 4096 and s.f_bavail > 0
+
+
+async def test_read_only_view_refuses_writes_and_flush(dest, replies):
+    p = _compose(dest, None)
+    ops = Operations(p.view)
+    try:
+        root = pyfuse3.ROOT_INODE
+        assert await errno_of(ops.create(root, b"n", 0o100644, os.O_WRONLY, CTX)) == errno.EROFS
+        assert await errno_of(ops.flush(1)) == errno.ENOSYS
+        assert b"classes" in await listdir(ops, root, replies)
+    finally:
+        p.close()
+
+
+async def test_an_unexpected_exception_is_eio_and_logged(parts, error_log, monkeypatch):
+    ops, view, _ = parts
+    error_log.expect(r"unexpected error in getattr")
+
+    async def broken(inode):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(view, "getattr", broken)
+    assert await errno_of(ops.getattr(1, CTX)) == errno.EIO
+
+
+async def test_a_bad_blob_is_eio_for_every_reader_and_logged_with_the_file(parts, error_log):
+    ops, view, _ = parts
+    error_log.expect(r"^fanstore_fuse.fuse: read: read big.bin: blob \d+ is bad$")
+    big = await ops.lookup(pyfuse3.ROOT_INODE, b"big.bin", CTX)
+    release = trio.Event()
+
+    async def bad(blob: int) -> bytes:
+        await release.wait()
+        raise ChecksumError(f"blob {blob} is bad")
+
+    view.node.cache._fetch = bad
+    codes: list[int] = []
+
+    async def reader() -> None:
+        codes.append(await errno_of(ops.read(big.st_ino, 0, 4096)))
+
+    async with trio.open_nursery() as n:
+        for _ in range(3):
+            n.start_soon(reader)
+        await trio.testing.wait_all_tasks_blocked()
+        release.set()
+    assert codes == [errno.EIO] * 3
+    assert len(error_log.records) == 3
