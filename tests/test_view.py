@@ -123,7 +123,7 @@ async def test_written_files_merge_into_dataset_directories(parts, replies):
 
 
 async def test_errnos(parts):
-    ops, _, _ = parts
+    ops, _, store = parts
     root = pyfuse3.ROOT_INODE
     big = await ops.lookup(root, b"big.bin", CTX)
     assert await errno_of(ops.lookup(root, b"missing", CTX)) == errno.ENOENT
@@ -138,9 +138,21 @@ async def test_errnos(parts):
     attrs = pyfuse3.EntryAttributes()
     assert await errno_of(ops.setattr(big.st_ino, attrs, fields(update_mode=True), None, CTX)) \
         == errno.EROFS
+    assert await errno_of(ops.lookup(root, b"n" * 256, CTX)) == errno.ENAMETOOLONG
+    assert await errno_of(ops.create(root, b"n" * 256, 0o100644, os.O_WRONLY, CTX)) \
+        == errno.ENAMETOOLONG
+    assert await errno_of(ops.mkdir(root, b"n" * 256, 0o40755, CTX)) == errno.ENAMETOOLONG
+    acl = b"system.posix_acl_access"
+    assert await errno_of(ops.setxattr(big.st_ino, acl, b"", CTX)) == errno.ENOTSUP
+    assert await errno_of(ops.setxattr(big.st_ino, b"user.x", b"", CTX)) == errno.EROFS
     info, attr = await ops.create(root, b"w", 0o100644, os.O_WRONLY, CTX)
-    assert await errno_of(ops.setattr(attr.st_ino, attrs, fields(update_uid=True), None, CTX)) \
-        == errno.EPERM
+    assert await errno_of(ops.setxattr(attr.st_ino, acl, b"", CTX)) == errno.ENOTSUP
+    assert await errno_of(ops.removexattr(attr.st_ino, acl, CTX)) == errno.ENOTSUP
+    attrs.st_uid, attrs.st_gid = 1234, 5678  # the kernel checked the caller may
+    owned = await ops.setattr(attr.st_ino, attrs, fields(update_uid=True, update_gid=True),
+                              None, CTX)
+    assert (owned.st_uid, owned.st_gid) == (1234, 5678)
+    assert ((await ops.getattr(attr.st_ino, CTX)).st_uid, store.getattr(b"w").gid) == (1234, 5678)
     attrs.st_size = 3
     assert (await ops.setattr(attr.st_ino, attrs, fields(update_size=True), info.fh, CTX)).st_size == 3
     await ops.release(info.fh)
@@ -159,6 +171,7 @@ async def test_xattrs_status_and_statfs(parts):
     assert status["ranks"][0]["stats"]["cache_misses"] >= 1
     s = await ops.statfs(CTX)
     assert s.f_files > 50 and s.f_blocks >= (2 << 20) // 4096 and s.f_bavail > 0
+    assert s.f_ffree > 0 and s.f_ffree == s.f_favail and s.f_files > s.f_ffree
 
 
 async def test_read_only_view_refuses_writes_and_flush(dest, replies):

@@ -22,7 +22,8 @@ from ._view import MountView
 log = logging.getLogger("fanstore_fuse.fuse")
 
 _QUIET = {errno.ENOENT, errno.ENODATA, errno.EROFS, errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR,
-          errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.ENOSYS, errno.EINVAL}
+          errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.ENOSYS, errno.EINVAL,
+          errno.ENOTSUP, errno.ENAMETOOLONG}
 
 F = TypeVar("F", bound=Callable[..., Coroutine[Any, Any, Any]])
 
@@ -182,7 +183,8 @@ class Operations(pyfuse3.Operations):
             attr.st_size if fields.update_size else None,
             attr.st_mode if fields.update_mode else None,
             attr.st_mtime_ns if fields.update_mtime else None,
-            bool(fields.update_uid or fields.update_gid),
+            (attr.st_uid if fields.update_uid else None,
+             attr.st_gid if fields.update_gid else None),
         )
         return self._attr(rec)
 
@@ -194,7 +196,7 @@ class Operations(pyfuse3.Operations):
         s.f_blocks = f.blocks
         s.f_bfree = s.f_bavail = f.free
         s.f_files = f.files
-        s.f_ffree = s.f_favail = 0
+        s.f_ffree = s.f_favail = f.files_free
         s.f_namemax = 255
         return s
 
@@ -208,9 +210,16 @@ class Operations(pyfuse3.Operations):
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext):
         return self.view.listxattr(inode, ctx.uid)
 
-    # Not supported, for written entries either: symlinks, hard links, device nodes, xattrs.
+    @_translate
+    async def setxattr(self, inode: int, name: bytes, value: bytes,
+                       ctx: pyfuse3.RequestContext) -> None:
+        self.view.setxattr(inode, name)
+
+    @_translate
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self.view.setxattr(inode, name)
+
+    # Not supported, for written entries either: symlinks, hard links, device nodes.
     symlink = _read_only("symlink")
     link = _read_only("link")
     mknod = _read_only("mknod")
-    setxattr = _read_only("setxattr")
-    removexattr = _read_only("removexattr")

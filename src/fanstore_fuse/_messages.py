@@ -41,7 +41,7 @@ OP_W_PUBLISH = 7  # body = msgpack [entry, exclusive] -> ack (EEXIST on a confli
 OP_W_UNPUBLISH = 8  # body = msgpack path -> ack
 OP_W_STAT = 9  # body = msgpack path -> msgpack entry
 OP_W_LIST = 10  # body = msgpack dir path -> msgpack [entries]
-OP_W_READ = 11  # arg = chunk, body = msgpack path -> committed chunk bytes (writer only)
+OP_W_READ = 11  # arg = chunk, body = msgpack [path, n] -> n bytes at chunk*CHUNK (reader verifies)
 OP_STAGE_OUT = 12  # body = msgpack out dir -> msgpack stage-out summary of the rank's written files
 OP_NAMES = {
     OP_PING: "ping",

@@ -25,7 +25,7 @@ import xxhash
 from ._errors import FanstoreError
 from ._fsio import atomic_write
 from ._safepath import open_private, secure_dir
-from .writes import DATA_DIR, WRITES_DIR
+from .writes import DATA_DIR, WRITES_DIR, has_records
 
 LOCAL_MARKER = ".fanstore-local"
 STATE_SEED = 0x4D4E5453
@@ -175,12 +175,15 @@ def prepare_local_dir(path: str) -> str:
 
 
 def has_written_files(path: str) -> bool:
-    """Whether a local dir holds data written into the mount (kept until staged out)."""
+    """Whether a local dir holds entries written into the mount (kept until staged out): data
+    files, or a journal with records (directories alone are written entries too)."""
     data = os.path.join(path, WRITES_DIR, DATA_DIR)
     try:
-        return any(True for _ in os.scandir(data))
+        if any(True for _ in os.scandir(data)):
+            return True
     except OSError:
-        return False
+        pass
+    return has_records(path)
 
 
 def remove_local_dir(path: str, keep_writes: bool = False) -> None:

@@ -6,6 +6,11 @@ directory (for listings) when it creates, commits (close/fsync), renames or remo
 waits for both acknowledgements, so once close(2) returns on the writer, a lookup or open on
 any rank finds the final size and checksums. Readers fetch committed 4 MiB chunks from the
 writer and verify each against the published xxh3 before a byte reaches them.
+
+A reader asks for a chunk *as long as in its own snapshot* (the commit it saw at open), so a
+writer that only appended since (a log) still serves the snapshot's bytes, which verify. An
+open reader that reads past its snapshot's end looks again (`read_open`) and moves to the
+newest commit if that one only appended to its snapshot (`tail -f` across nodes).
 """
 
 from __future__ import annotations
@@ -67,6 +72,20 @@ class Published:
         if not isinstance(w, list) or len(w) != 11 or not isinstance(w[0], bytes):
             raise PeerError("malformed published entry")
         return cls(*w)  # type: ignore[arg-type]
+
+    def extends(self, old: Published) -> bool:
+        """Whether this commit only appended to `old` (same writer, same full chunks)."""
+        full = old.size // CHUNK
+        return (self.committed and self.writer == old.writer and self.size > old.size
+                and self.chunks[:full] == old.chunks[:full])
+
+
+@dataclass
+class OpenRemote:
+    """A file written elsewhere, open here: the snapshot it reads and its last chunk read."""
+
+    e: Published
+    cache: dict[int, bytes] = field(default_factory=dict)
 
 
 def _parent(path: bytes) -> bytes:
@@ -140,10 +159,19 @@ class SharedWrites:
         return await handler(self.rank, Frame(op, 0, body=body))
 
     async def publish(self, path: bytes, exclusive: bool = False) -> None:
-        """Tell the path's owner and the parent's owner; both must acknowledge."""
+        """Tell the path's owner and the parent's owner; both must acknowledge. An exclusive
+        publish (create, mkdir) asks the path's owner first, the one arbiter of a name: only
+        a winner reaches the parent's listing (Exists for a name another rank holds)."""
         e = self.describe(path)
         body = pack([e.wire(), exclusive])
-        owners = {self.placement.locate_metadata(path), self.placement.locate_metadata(_parent(path))}
+        owner = self.placement.locate_metadata(path)
+        owners = {owner, self.placement.locate_metadata(_parent(path))}
+        if exclusive:
+            await self._publish_to([owner], path, body)
+            owners.discard(owner)
+        await self._publish_to(sorted(owners), path, body)
+
+    async def _publish_to(self, ranks: list[int], path: bytes, body: bytes) -> None:
         errors: list[FanstoreError] = []
 
         async def one(r: int) -> None:
@@ -153,7 +181,7 @@ class SharedWrites:
                 errors.append(ex)
 
         async with trio.open_nursery() as n:
-            for r in owners:
+            for r in ranks:
                 n.start_soon(one, r)
         for ex in errors:
             if ex.errno == errno.EEXIST:
@@ -213,13 +241,27 @@ class SharedWrites:
         """Chunk k of a committed remote file, verified against the published checksum."""
         if k >= len(e.chunks):
             return b""
-        resp = await self.transport.request(e.writer, Frame(OP_W_READ, 0, k, pack(e.path)),
+        n = min(CHUNK, e.size - k * CHUNK)
+        resp = await self.transport.request(e.writer, Frame(OP_W_READ, 0, k, pack([e.path, n])),
                                             self.timeout)
         data = bytes(resp.body)
         if checksum(data) != e.chunks[k]:
             raise ChecksumError(f"{e.path!r} chunk {k} from rank {e.writer}: checksum mismatch "
                                 "(changed since it was opened?)")
         return data
+
+    async def read_open(self, f: OpenRemote, off: int, size: int) -> bytes:
+        """Read through an open handle; past the snapshot's end, move to a newer commit that
+        only appended to it (never to one that changed the bytes already seen)."""
+        if off + size > f.e.size:
+            try:
+                new = await self.stat(f.e.path)
+            except NotFound:
+                new = f.e
+            if new.extends(f.e):
+                f.e = new
+                f.cache.clear()
+        return await self.read(f.e, off, size, f.cache)
 
     async def read(self, e: Published, off: int, size: int, cache: dict[int, bytes]) -> bytes:
         end = min(e.size, off + size)
@@ -286,8 +328,9 @@ class SharedWrites:
         return Frame(req.op, req.req_id, body=pack([e.wire() for e in listing.values()]))
 
     async def _h_read(self, src: int, req: Frame) -> Frame:
-        path = unpack(req.body)
-        if self.store is None or not isinstance(path, bytes):
+        w = unpack(req.body)
+        if (self.store is None or not isinstance(w, list) or len(w) != 2
+                or not isinstance(w[0], bytes) or not isinstance(w[1], int)):
             raise NotFound("no written files here")
-        data = await trio.to_thread.run_sync(self.store.read_committed_chunk, path, req.arg)
+        data = await trio.to_thread.run_sync(self.store.read_span, w[0], req.arg * CHUNK, w[1])
         return Frame(req.op, req.req_id, req.arg, data)

@@ -83,8 +83,20 @@ class _Mismatch(Exception):
     pass
 
 
+def _chown(fd_or_path: int | str, owner: tuple[int, int] | None) -> None:
+    """Give a staged entry its recorded owner: as root always; otherwise where the OS lets us
+    (a user's own files keep their owner anyway)."""
+    if owner is None:
+        return
+    try:
+        os.chown(fd_or_path, *owner)
+    except PermissionError:
+        if os.geteuid() == 0:
+            raise
+
+
 def copy_verified(src: str, commit: CommitInfo, dest: str, verify_dest: bool = True,
-                  dir_fd: int | None = None) -> int:
+                  dir_fd: int | None = None, owner: tuple[int, int] | None = None) -> int:
     """Copy the committed version of `src` to `dest` via a temporary name; returns bytes.
     With `dir_fd`, `dest` is a name in that directory (see `_safepath.open_beneath`).
 
@@ -109,6 +121,7 @@ def copy_verified(src: str, commit: CommitInfo, dest: str, verify_dest: bool = T
             if digest != commit.xxh3:
                 raise _Mismatch("local copy does not match its committed xxh3 (changed after close)")
             os.fsync(dfd)
+            _chown(dfd, owner)  # before the mode: a chown clears set-id bits
             os.fchmod(dfd, stat.S_IMODE(commit.mode))
         finally:
             os.close(dfd)
@@ -161,6 +174,7 @@ def stage_out(
     seen: dict[bytes, str] = {}
     jobs: list[tuple[bytes, str, CommitInfo, str]] = []
     dirs: list[tuple[bytes, int, int, bool]] = []
+    owners: dict[bytes, tuple[int, int]] = {}
     opened: list[WriteStore] = []
     try:
         for src in stores_or_local_dirs:
@@ -175,6 +189,7 @@ def stage_out(
             summary.warnings.extend(store.warnings)
             label = store.local_dir
             for rel, rec, commit, data in store.walk():
+                owners[rel] = (rec.uid, rec.gid)
                 if rec.is_dir:
                     dirs.append((rel, rec.mode, rec.mtime_ns, store.is_shadow(rel)))
                     continue
@@ -209,7 +224,8 @@ def stage_out(
             try:
                 dfd = open_beneath(root, parent, create=True, shown=out_dir)
                 try:
-                    return rel, copy_verified(data, commit, name, verify_dest, dfd), None, False
+                    return (rel, copy_verified(data, commit, name, verify_dest, dfd, owners[rel]),
+                            None, False)
                 finally:
                     os.close(dfd)
             except _Mismatch as e:
@@ -242,6 +258,7 @@ def stage_out(
                     os.fsync(fd)
                 if shadow:
                     continue
+                _chown(fd, owners[rel])
                 os.fchmod(fd, stat.S_IMODE(mode))
                 os.utime(fd, ns=(mtime, mtime))
                 summary.dirs += 1

@@ -22,20 +22,17 @@ ever done under, so they are called directly.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import TypeVar
 
 import trio
 
 from ._errors import (
-    AccessDenied,
     Exists,
     FanstoreError,
-    NoData,
+    NameTooLong,
     NotADirectory,
     NotFound,
     NotPermitted,
@@ -46,7 +43,8 @@ from ._errors import (
 from ._format import KIND_DIR
 from ._namespace import Record
 from ._node import Node
-from ._shared_writes import REMOTE_INODE_BASE, Published, SharedWrites
+from ._shared_writes import REMOTE_INODE_BASE, OpenRemote, SharedWrites
+from ._view_meta import ViewMeta
 from .writes import WRITE_INODE_BASE, WriteStore
 
 log = logging.getLogger("fanstore_fuse.view")
@@ -56,10 +54,9 @@ WRITTEN_TIMEOUT = 1.0  # written files change: cache their attributes briefly
 BIG_IO = 64 << 10  # reads and writes of written files from this size on go to a worker thread
 WRITE_FH = 1 << 62  # file handles at or above this are WriteStore handles
 REMOTE_FH = 1 << 61  # handles of files written on other ranks
-XATTR_PREFIX = b"user.fanstore."
-STATUS_XATTR = XATTR_PREFIX + b"status"
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 LISTING_BATCH = 256
+NAME_MAX = 255
 
 DATASET, HERE, ELSEWHERE = "dataset", "here", "elsewhere"
 T = TypeVar("T")
@@ -74,20 +71,16 @@ def origin(inode: int) -> str:
     return DATASET
 
 
+def _check_name(name: bytes) -> None:
+    if len(name) > NAME_MAX:
+        raise NameTooLong(f"name too long ({len(name)} bytes)")
+
+
 def _join(parent: bytes, name: bytes) -> bytes:
     return parent + b"/" + name if parent else name
 
 
-@dataclass
-class FsFigures:
-    """statfs in 4 KiB blocks: the dataset's size plus what may still be written here."""
-
-    blocks: int
-    free: int
-    files: int
-
-
-class MountView:
+class MountView(ViewMeta):
     def __init__(self, node: Node, writes: WriteStore | None, shared: SharedWrites | None,
                  owner_uid: int, status: Callable[[], Awaitable[dict[str, object]]]):
         self.node = node
@@ -95,7 +88,7 @@ class MountView:
         self.writes = writes
         self.shared = shared  # files written on other ranks (and the publishing of ours)
         self.owner_uid = owner_uid
-        self._remote_open: dict[int, tuple[Published, dict[int, bytes]]] = {}
+        self._remote_open: dict[int, OpenRemote] = {}
         self._next_remote_fh = 0
 
     @property
@@ -176,6 +169,7 @@ class MountView:
         return self.shared.record(await self.shared.stat(_join(ppath, name)))
 
     async def lookup(self, parent: int, name: bytes) -> Record:
+        _check_name(name)
         if origin(parent) != DATASET:
             path = await self._dir_path(parent)
             if name == b"..":
@@ -196,8 +190,7 @@ class MountView:
             assert self.shared is not None
             return self.shared.record(await self.shared.stat(self._remote_path(inode)))
         if o == HERE:
-            w = self._w()
-            return w.getattr(w.path(inode))
+            return self._w().record_of(inode)  # also a file unlinked while open (nlink 0)
         return await self.node.record(inode - 1)
 
     async def readlink(self, inode: int) -> bytes:
@@ -259,7 +252,7 @@ class MountView:
             e = await self.shared.stat(self._remote_path(inode))  # close-to-open: fresh state
             self._next_remote_fh += 1
             fh = REMOTE_FH + self._next_remote_fh
-            self._remote_open[fh] = (e, {})
+            self._remote_open[fh] = OpenRemote(e)
             return fh, False
         if o == HERE:
             w = self._w()
@@ -270,9 +263,8 @@ class MountView:
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
         if REMOTE_FH <= fh < WRITE_FH:
-            e, cache = self._remote_open[fh]
             assert self.shared is not None
-            return await self.shared.read(e, off, size, cache)
+            return await self.shared.read_open(self._remote_open[fh], off, size)
         if fh >= WRITE_FH:
             return await self._disk(self._w().read, fh - WRITE_FH, off, size, nbytes=size)
         try:
@@ -320,6 +312,7 @@ class MountView:
 
     async def _new_target(self, parent: int, name: bytes) -> bytes:
         """Where an entry named `name` goes; dataset directories get shadows in the store."""
+        _check_name(name)
         ppath = await self._dir_path(parent)
         if origin(parent) != HERE:
             await self._disk(self._w().makedirs_shadow, ppath)
@@ -352,15 +345,34 @@ class MountView:
     async def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
                      gid: int) -> tuple[int, Record]:
         path = await self._new_path(parent, name)
-        fh, rec = await self._disk(self._w().create, path, mode, flags, uid, gid)
-        await self._publish(path, exclusive=True)
+        w = self._w()
+        fh, rec = await self._disk(w.create, path, mode, flags, uid, gid)
+        try:
+            await self._publish(path, exclusive=True)
+        except FanstoreError as e:  # another rank won the name (or an owner is silent): undo
+            await self._disk(w.unlink, path)
+            await self._disk(w.close, fh)
+            await self._withdraw(path, e)
+            raise
         return WRITE_FH + fh, rec
 
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Record:
         path = await self._new_path(parent, name)
-        rec = await self._disk(self._w().mkdir, path, mode, False, uid, gid)
-        await self._publish(path, exclusive=True)
+        w = self._w()
+        rec = await self._disk(w.mkdir, path, mode, False, uid, gid)
+        try:
+            await self._publish(path, exclusive=True)
+        except FanstoreError as e:
+            await self._disk(w.rmdir, path)
+            await self._withdraw(path, e)
+            raise
         return rec
+
+    async def _withdraw(self, path: bytes, e: FanstoreError) -> None:
+        """After a failed exclusive publish: unless another rank holds the name (Exists), an
+        owner may hold ours; take it back."""
+        if self.shared is not None and not isinstance(e, Exists):
+            await self.shared.unpublish(path)
 
     async def remove(self, parent: int, name: bytes, is_dir: bool) -> None:
         """unlink (a file) or rmdir (an empty directory) of a written entry."""
@@ -387,8 +399,10 @@ class MountView:
                     await self.shared.publish(p)
 
     async def setattr(self, inode: int, fh: int | None, size: int | None, mode: int | None,
-                      mtime_ns: int | None, owner: bool) -> Record:
-        """truncate/chmod/utimens of a written entry (`owner`: a chown was asked: EPERM)."""
+                      mtime_ns: int | None,
+                      owner: tuple[int | None, int | None] = (None, None)) -> Record:
+        """truncate/chmod/chown/utimens of a written entry. `owner` is (uid, gid), None for
+        unchanged; the kernel has checked the caller may (default_permissions)."""
         o = origin(inode)
         if o == ELSEWHERE:
             raise NotPermitted("only the writing node may change this entry")
@@ -396,8 +410,8 @@ class MountView:
             raise ReadOnly("the dataset is read-only")
         w = self._w()
         path = w.path(inode)
-        if owner:
-            raise NotPermitted("written entries keep their owner")
+        if owner != (None, None):
+            await self._disk(w.chown, path, owner[0], owner[1], nbytes=0)
         if size is not None:
             target = fh - WRITE_FH if fh is not None and fh >= WRITE_FH else path
             await self._disk(w.truncate, target, size)
@@ -409,45 +423,3 @@ class MountView:
         if self.shared is not None and (rec.kind == KIND_DIR or not w.is_dirty(path)):
             await self.shared.publish(path)
         return rec
-
-    # ------------------------------------------------------------ figures and xattrs
-
-    def statfs(self) -> FsFigures:
-        blocks = (self.node.dataset_bytes() + 4095) // 4096
-        free = 0
-        if self.writes is not None:
-            v = os.statvfs(self.writes.local_dir)
-            room = v.f_bavail * v.f_frsize
-            if self.writes.quota_bytes is not None:
-                room = max(0, min(room, self.writes.quota_bytes - self.writes.used_bytes))
-            free = room // 4096
-            blocks += free + (self.writes.used_bytes + 4095) // 4096
-        return FsFigures(blocks, free, len(self.node.ns))
-
-    def _xattrs(self, inode: int) -> dict[bytes, bytes]:
-        if origin(inode) != DATASET:
-            return {}
-        rec = self.node.ns.record(inode - 1)
-        if rec.kind != 0:
-            return {}
-        return {XATTR_PREFIX + b"blobs": str(rec.count).encode(),
-                XATTR_PREFIX + b"partitions": ",".join(self.node.partitions(inode - 1)).encode()}
-
-    def _control_allowed(self, uid: int) -> bool:
-        return uid in (0, self.owner_uid)
-
-    async def getxattr(self, inode: int, name: bytes, uid: int) -> bytes:
-        if inode == 1 and name == STATUS_XATTR:
-            if not self._control_allowed(uid):
-                raise AccessDenied("the status is for the mount's owner")
-            return json.dumps(await self.status()).encode()
-        value = self._xattrs(inode).get(name)
-        if value is None:
-            raise NoData(f"no attribute {name!r}")
-        return value
-
-    def listxattr(self, inode: int, uid: int) -> list[bytes]:
-        names = list(self._xattrs(inode))
-        if inode == 1 and self._control_allowed(uid):
-            names.append(STATUS_XATTR)
-        return names

@@ -7,11 +7,11 @@ no FUSE, no MPI, no trio.
 
 from ._base import WriteStats
 from ._hashing import CHUNK, Hasher, hash_file
-from ._journal import DATA_DIR, JOURNAL_NAME, WRITES_DIR, Journal
+from ._journal import DATA_DIR, JOURNAL_NAME, WRITES_DIR, Journal, has_records
 from ._store import WriteStore
 from ._tree import WRITE_INODE_BASE, CommitInfo, split_path
 
 __all__ = [
     "CHUNK", "DATA_DIR", "JOURNAL_NAME", "WRITES_DIR", "WRITE_INODE_BASE", "CommitInfo", "Hasher",
-    "Journal", "WriteStats", "WriteStore", "hash_file", "split_path",
+    "Journal", "WriteStats", "WriteStore", "has_records", "hash_file", "split_path",
 ]

@@ -19,9 +19,11 @@ from .._errors import (
     BadHandle,
     Exists,
     FanstoreError,
+    NotFound,
     QuotaExceeded,
 )
 from .._format import KIND_DIR, KIND_FILE
+from .._namespace import Record
 from ._journal import DATA_DIR, JOURNAL_NAME, WRITES_DIR, Journal
 from ._tree import DIR_SIZE, WRITE_INODE_BASE, CommitInfo, Entry, EntryTree, PathLike
 
@@ -113,6 +115,10 @@ class StoreBase:
                 e.mode = int(r["m"])
             if r.get("t") is not None:
                 e.mtime_ns = int(r["t"])
+            if r.get("u") is not None:
+                e.uid = int(r["u"])
+            if r.get("g") is not None:
+                e.gid = int(r["g"])
             e.attrs_to_commit()
         else:
             raise ValueError(f"unknown operation {op!r}")
@@ -197,6 +203,15 @@ class StoreBase:
             if e is None or e.unlinked:
                 return None
             return self.tree.path_of(e)
+
+    def record_of(self, inode: int) -> Record:
+        """Attributes of a written inode, also of a file unlinked while open (nlink 0)."""
+        with self._lock:
+            k = inode - WRITE_INODE_BASE
+            e = self.tree.ents.get(k) or self._open_unlinked.get(k)
+            if e is None:
+                raise NotFound(f"written inode {inode} is gone")
+            return self.tree.record(e)
 
     def path(self, inode: int) -> bytes:
         """Mount-relative path of a written inode (NotFound once it is gone)."""

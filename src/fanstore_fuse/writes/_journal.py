@@ -37,6 +37,14 @@ _RHEADER = struct.Struct("<IQ")  # payload length, xxh3-64 of the payload
 MAX_RECORD = 16 << 20
 
 
+def has_records(local_dir: str) -> bool:
+    """Whether a local dir's journal records anything (a written entry, even a lone directory)."""
+    try:
+        return os.path.getsize(os.path.join(local_dir, WRITES_DIR, JOURNAL_NAME)) > _JHEADER.size
+    except OSError:
+        return False
+
+
 class Journal:
     """Append-only, checksummed msgpack records; see the module docstring."""
 

@@ -144,16 +144,24 @@ class WriteStore(FileStore):
             self._gone(self.tree.move(op.k, on, np_.k, nn))
         self._sync()
 
-    def _set_attrs(self, path: PathLike, mode: int | None, mtime_ns: int | None) -> Record:
+    def _set_attrs(self, path: PathLike, mode: int | None, mtime_ns: int | None,
+                   uid: int | None = None, gid: int | None = None) -> Record:
         with self._lock:
             e = self.tree.entry(path)
             m = None if mode is None else stat.S_IFMT(e.mode) | (mode & 0o7777)
             t = None if mtime_ns is None else int(mtime_ns)
-            self._log({"o": "attr", "k": e.k, "m": m, "t": t})
+            owner = {} if uid is None and gid is None else {"u": uid, "g": gid}
+            self._log({"o": "attr", "k": e.k, "m": m, "t": t, **owner})
             e.mode = e.mode if m is None else m
             e.mtime_ns = e.mtime_ns if t is None else t
+            e.uid = e.uid if uid is None else uid
+            e.gid = e.gid if gid is None else gid
             e.attrs_to_commit()
             return self.tree.record(e)
+
+    def chown(self, path: PathLike, uid: int | None, gid: int | None) -> Record:
+        """Record a new owner and/or group (the kernel checked the caller may: default_permissions)."""
+        return self._set_attrs(path, None, None, uid, gid)
 
     def chmod(self, path: PathLike, mode: int) -> Record:
         return self._set_attrs(path, mode, None)
@@ -200,6 +208,22 @@ class WriteStore(FileStore):
                 "(changed since the last close?)"
             )
         return data
+
+    def read_span(self, path: PathLike, off: int, n: int) -> bytes:
+        """`n` bytes at `off` of a written file's data as they are now (at most CHUNK). A
+        reader on another rank verifies them against the checksum of the commit it saw."""
+        if not 0 <= n <= CHUNK or off < 0:
+            raise InvalidArgument(f"span {off}+{n} of {path!r}")
+        with self._lock:
+            data_path = self._data_path(self.tree.entry(path).k)
+        try:
+            fd = os.open(data_path, os.O_RDONLY)
+            try:
+                return os.pread(fd, n, off) if n else b""
+            finally:
+                os.close(fd)
+        except OSError as err:
+            raise os_error(err, f"read {path!r}") from None
 
     def read_committed(self, path: PathLike, off: int, size: int) -> bytes:
         """Bytes [off, off+size) of the committed version (clipped to its size), verified."""
