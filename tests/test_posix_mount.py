@@ -32,11 +32,15 @@ def _real_tree(root: Path) -> Path:
     os.chmod(root / "run.sh", 0o750)
     os.chmod(root / "a" / "small.txt", 0o600)
     os.chmod(root / "empty", 0o711)
+    os.symlink("b/big.bin", root / "a" / "link")
+    os.symlink("/nowhere/at/all", root / "dangling")
+    os.mkfifo(root / "a" / "fifo", 0o640)
     if os.geteuid() == 0:
         os.chown(root / "a" / "small.txt", 1234, 5678)
         os.chown(root / "empty" / "deeper", 4321, 8765)
     for i, p in enumerate(sorted(root.rglob("*"), key=lambda p: -len(p.parts))):
-        os.utime(p, ns=(1_600_000_000_123_456_789 + i, 1_600_000_000_123_456_789 + i * 1000))
+        os.utime(p, ns=(1_600_000_000_123_456_789 + i, 1_600_000_000_123_456_789 + i * 1000),
+                 follow_symlinks=False)
     return root
 
 
@@ -50,7 +54,7 @@ def _listing(root: Path) -> list[str]:
 
 def _bytes(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file()}
+            if p.is_file() and not p.is_symlink()}
 
 
 def _sh(*args: str | os.PathLike[str], cwd: Path | None = None) -> None:

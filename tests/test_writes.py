@@ -553,3 +553,35 @@ def test_a_commit_hashes_without_the_lock_and_never_commits_a_stale_digest(store
     assert free == [True] and sizes == [100, 104]
     c = store.committed("f")
     assert (c.size, c.xxh3) == (104, checksum(want))
+
+
+def test_symlinks_fifos_and_owners_replay_and_stage_out(tmp_path: Path) -> None:
+    from fanstore_fuse._stageout import stage_out
+
+    local = tmp_path / "local"
+    with WriteStore(str(local)) as s:
+        s.mkdir("d")
+        s.symlink("d/link", b"../target/x", 0, 0)
+        s.mknod("d/fifo", stat.S_IFIFO | 0o640)
+        fh, _ = s.create("d/f")
+        s.write(fh, 0, b"data")
+        s.close(fh)
+        s.chown("d/f", 1234, 5678)
+        s.utimens("d/link", 1_600_000_000_000_000_007)
+        with pytest.raises(FanstoreError):
+            s.open("d/fifo")
+    again = WriteStore(str(local), readonly=True)
+    assert again.readlink("d/link") == b"../target/x"
+    assert stat.S_ISFIFO(again.getattr("d/fifo").mode)
+    assert (again.getattr("d/f").uid, again.getattr("d/f").gid) == (1234, 5678)
+    again.close_store()
+    out = tmp_path / "out"
+    summary = stage_out(str(local), str(out))
+    assert summary.ok, summary.failures
+    assert os.readlink(out / "d" / "link") == "../target/x"
+    assert os.lstat(out / "d" / "link").st_mtime_ns == 1_600_000_000_000_000_007
+    assert stat.S_ISFIFO(os.lstat(out / "d" / "fifo").st_mode)
+    assert stat.S_IMODE(os.lstat(out / "d" / "fifo").st_mode) == 0o640
+    assert (out / "d" / "f").read_bytes() == b"data"
+    if os.geteuid() == 0:
+        assert ((out / "d" / "f").stat().st_uid, (out / "d" / "f").stat().st_gid) == (1234, 5678)

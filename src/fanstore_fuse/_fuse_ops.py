@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import stat
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar, cast
 
@@ -72,7 +73,7 @@ class Operations(pyfuse3.Operations):
         a.st_nlink = r.nlink
         a.st_uid = r.uid
         a.st_gid = r.gid
-        a.st_rdev = 0
+        a.st_rdev = r.first if stat.S_ISCHR(r.mode) or stat.S_ISBLK(r.mode) else 0
         a.st_size = r.size
         a.st_blksize = 1 << 17
         a.st_blocks = (r.size + 511) // 512
@@ -219,7 +220,15 @@ class Operations(pyfuse3.Operations):
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self.view.setxattr(inode, name)
 
-    # Not supported, for written entries either: symlinks, hard links, device nodes.
-    symlink = _read_only("symlink")
+    @_translate
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
+                      ctx: pyfuse3.RequestContext):
+        return self._attr(await self.view.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
+
+    @_translate
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+                    ctx: pyfuse3.RequestContext):
+        return self._attr(await self.view.mknod(parent_inode, name, mode, rdev, ctx.uid, ctx.gid))
+
+    # Not supported, for written entries either: hard links.
     link = _read_only("link")
-    mknod = _read_only("mknod")

@@ -21,7 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ._errors import ChecksumError, FanstoreError
+from ._format import KIND_LINK
 from ._fsio import write_all
+from ._namespace import Record
 from ._safepath import Escape, open_beneath
 from .writes import WRITES_DIR, CommitInfo, WriteStore, hash_file
 
@@ -145,6 +147,25 @@ def copy_verified(src: str, commit: CommitInfo, dest: str, verify_dest: bool = T
         os.close(sfd)
 
 
+def _make_special(dfd: int, name: str, rec: Record, target: bytes) -> None:
+    """A symlink (target) or special file (mode, rdev) with its owner and mtime, in place of
+    whatever non-directory had that name."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=dfd)
+    if rec.kind == KIND_LINK:
+        os.symlink(target, name, dir_fd=dfd)
+    else:
+        os.mknod(name, rec.mode, rec.first, dir_fd=dfd)
+    try:
+        os.chown(name, rec.uid, rec.gid, dir_fd=dfd, follow_symlinks=False)
+    except PermissionError:
+        if os.geteuid() == 0:
+            raise
+    if rec.kind != KIND_LINK:
+        os.chmod(name, stat.S_IMODE(rec.mode), dir_fd=dfd)  # mknod obeys the umask
+    os.utime(name, ns=(rec.mtime_ns, rec.mtime_ns), dir_fd=dfd, follow_symlinks=False)
+
+
 def _split(rel: bytes) -> tuple[str, str]:
     parent, _, name = os.fsdecode(rel).rpartition("/")
     return parent, name
@@ -175,6 +196,7 @@ def stage_out(
     jobs: list[tuple[bytes, str, CommitInfo, str]] = []
     dirs: list[tuple[bytes, int, int, bool]] = []
     owners: dict[bytes, tuple[int, int]] = {}
+    specials: list[tuple[bytes, Record, bytes]] = []  # symlinks and special files
     opened: list[WriteStore] = []
     try:
         for src in stores_or_local_dirs:
@@ -193,12 +215,16 @@ def stage_out(
                 if rec.is_dir:
                     dirs.append((rel, rec.mode, rec.mtime_ns, store.is_shadow(rel)))
                     continue
-                assert data is not None
                 if rel in seen:
                     summary.failures.append(StageFailure(
-                        os.fsdecode(rel), f"written on two ranks ({seen[rel]} and {label})", data))
+                        os.fsdecode(rel), f"written on two ranks ({seen[rel]} and {label})",
+                        data or ""))
                     continue
                 seen[rel] = label
+                if data is None:
+                    target = store.readlink(rel) if rec.kind == KIND_LINK else b""
+                    specials.append((rel, rec, target))
+                    continue
                 dirty = store.is_dirty(rel) if not store.readonly else commit is None
                 if commit is None or (dirty and not store.readonly):
                     size = os.path.getsize(data) if os.path.exists(data) else 0
@@ -217,6 +243,19 @@ def stage_out(
                 summary.failures.append(StageFailure(os.fsdecode(rel), str(e)))
             except OSError as e:
                 summary.failures.append(StageFailure(os.fsdecode(rel), f"mkdir: {e.strerror}"))
+        for rel, rec, target in specials:
+            parent, name = _split(rel)
+            try:
+                dfd = open_beneath(root, parent, create=True, shown=out_dir)
+                try:
+                    _make_special(dfd, name, rec, target)
+                finally:
+                    os.close(dfd)
+                summary.files += 1
+            except Escape as e:
+                summary.failures.append(StageFailure(os.fsdecode(rel), str(e)))
+            except OSError as e:
+                summary.failures.append(StageFailure(os.fsdecode(rel), f"{e.strerror or e}"))
 
         def one(job: tuple[bytes, str, CommitInfo, str]) -> tuple[bytes, int, str | None, bool]:
             rel, data, commit, _label = job

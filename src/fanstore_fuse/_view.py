@@ -194,8 +194,12 @@ class MountView(ViewMeta):
         return await self.node.record(inode - 1)
 
     async def readlink(self, inode: int) -> bytes:
-        if origin(inode) != DATASET:
-            raise Unsupported("written entries are never symlinks", errno.EINVAL)
+        o = origin(inode)
+        if o == HERE:
+            w = self._w()
+            return w.readlink(w.path(inode))
+        if o == ELSEWHERE:
+            raise Unsupported("symlinks written on another node are not readable here", errno.EIO)
         return await self.node.readlink(inode - 1)
 
     # ------------------------------------------------------------ directories
@@ -357,13 +361,26 @@ class MountView(ViewMeta):
         return WRITE_FH + fh, rec
 
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Record:
+        return await self._make(parent, name, self._w().mkdir, mode, False, uid, gid)
+
+    async def symlink(self, parent: int, name: bytes, target: bytes, uid: int,
+                      gid: int) -> Record:
+        return await self._make(parent, name, self._w().symlink, target, uid, gid)
+
+    async def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int,
+                    gid: int) -> Record:
+        return await self._make(parent, name, self._w().mknod, mode, rdev, uid, gid)
+
+    async def _make(self, parent: int, name: bytes, make: Callable[..., Record],
+                    *args: object) -> Record:
+        """A new directory, symlink or special file, published exclusively (undone if lost)."""
         path = await self._new_path(parent, name)
         w = self._w()
-        rec = await self._disk(w.mkdir, path, mode, False, uid, gid)
+        rec = await self._disk(make, path, *args)
         try:
             await self._publish(path, exclusive=True)
         except FanstoreError as e:
-            await self._disk(w.rmdir, path)
+            await self._disk(w.rmdir if rec.is_dir else w.unlink, path)
             await self._withdraw(path, e)
             raise
         return rec

@@ -93,12 +93,13 @@ class StoreBase:
     def _apply(self, r: dict[str, Any]) -> None:
         op = r["o"]
         t = self.tree
-        if op in ("mkdir", "create"):
-            kind = KIND_DIR if op == "mkdir" else KIND_FILE
+        if op in ("mkdir", "create", "node"):
+            kind = KIND_DIR if op == "mkdir" else KIND_FILE if op == "create" else int(r["K"])
             t.add(t.dir(int(r["p"])), Entry(
                 int(r["k"]), int(r["p"]), bytes(r["n"]), kind, int(r["m"]), int(r["u"]),
                 int(r["g"]), int(r["t"]), size=DIR_SIZE if kind == KIND_DIR else 0,
-                children={} if kind == KIND_DIR else None, shadow=bool(r.get("s", False))))
+                children={} if kind == KIND_DIR else None, shadow=bool(r.get("s", False)),
+                target=bytes(r.get("l", b"")), rdev=int(r.get("r", 0))))
         elif op == "commit":
             e = t.get(int(r["k"]))
             c = array("Q")
@@ -224,7 +225,7 @@ class StoreBase:
         parent, name = self.tree.parent_and_name(path)
         if name in parent.kids:
             raise Exists(f"{path!r} exists")
-        bits = stat.S_IFDIR if kind == KIND_DIR else stat.S_IFREG
+        bits = {KIND_DIR: stat.S_IFDIR, KIND_FILE: stat.S_IFREG}.get(kind, stat.S_IFMT(mode))
         e = Entry(self.tree.next_k, parent.k, name, kind, bits | (mode & 0o7777),
                   self._uid if uid is None else uid, self._gid if gid is None else gid,
                   time.time_ns(), shadow=shadow)
@@ -233,6 +234,8 @@ class StoreBase:
         return parent, e
 
     def _log_new(self, parent: Entry, e: Entry) -> None:
-        self._log({"o": "mkdir" if e.kind == KIND_DIR else "create", "k": e.k, "p": parent.k,
-                   "n": e.name, "m": e.mode, "u": e.uid, "g": e.gid, "t": e.mtime_ns,
-                   **({"s": e.shadow} if e.kind == KIND_DIR else {})})
+        op = {KIND_DIR: "mkdir", KIND_FILE: "create"}.get(e.kind, "node")
+        extra = ({"s": e.shadow} if e.kind == KIND_DIR else {"K": e.kind, "l": e.target, "r": e.rdev}
+                 if op == "node" else {})
+        self._log({"o": op, "k": e.k, "p": parent.k, "n": e.name, "m": e.mode, "u": e.uid,
+                   "g": e.gid, "t": e.mtime_ns, **extra})

@@ -79,6 +79,8 @@ class FileStore(StoreBase):
             e = self.tree.entry(path)
             if e.kind == KIND_DIR:
                 raise IsADirectory(f"{path!r} is a directory")
+            if e.kind != KIND_FILE:
+                raise InvalidArgument(f"{path!r} has no data to open")
             if self.readonly and flags & (os.O_ACCMODE | os.O_TRUNC):
                 raise FanstoreError("this write store is open read-only")
             fh = self._new_handle(e, flags)

@@ -33,11 +33,11 @@ from .._errors import (
     NotFound,
     os_error,
 )
-from .._format import KIND_DIR, KIND_FILE, checksum
+from .._format import KIND_DIR, KIND_FILE, KIND_LINK, checksum
 from .._namespace import Record
 from ._files import FileStore
 from ._hashing import CHUNK
-from ._tree import CommitInfo, PathLike, split_path
+from ._tree import KIND_NODE, CommitInfo, PathLike, split_path
 
 log = logging.getLogger("fanstore_fuse.writes")
 
@@ -86,6 +86,36 @@ class WriteStore(FileStore):
             rec = self._mkdir(path, mode, shadow, uid, gid)
         self._sync()
         return rec
+
+    def symlink(self, path: PathLike, target: bytes, uid: int | None = None,
+                gid: int | None = None) -> Record:
+        return self._node(path, KIND_LINK, stat.S_IFLNK | 0o777, uid, gid, target=target)
+
+    def mknod(self, path: PathLike, mode: int, rdev: int = 0, uid: int | None = None,
+              gid: int | None = None) -> Record:
+        """A fifo, socket or device node (the kernel checked the caller may make it)."""
+        if stat.S_IFMT(mode) not in (stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK):
+            raise InvalidArgument(f"mknod of mode {mode:#o} is not supported")
+        return self._node(path, KIND_NODE, mode, uid, gid, rdev=rdev)
+
+    def _node(self, path: PathLike, kind: int, mode: int, uid: int | None, gid: int | None,
+              target: bytes = b"", rdev: int = 0) -> Record:
+        with self._lock:
+            parent, e = self._new_entry(path, kind, mode, uid, gid)
+            e.target, e.rdev = target, rdev
+            self._log_new(parent, e)
+            self.tree.add(parent, e)
+            parent.mtime_ns = e.mtime_ns
+            rec = self.tree.record(e)
+        self._sync()
+        return rec
+
+    def readlink(self, path: PathLike) -> bytes:
+        with self._lock:
+            e = self.tree.entry(path)
+            if e.kind != KIND_LINK:
+                raise InvalidArgument(f"{path!r} is not a symlink")
+            return e.target
 
     def makedirs_shadow(self, path: PathLike) -> None:
         """Make sure every directory of `path` exists here, as shadows of dataset directories.
@@ -243,8 +273,8 @@ class WriteStore(FileStore):
     def walk(self) -> Iterator[tuple[bytes, Record, CommitInfo | None, str | None]]:
         """Every entry below the root, parents first: (path, record, commit, data file)."""
         with self._lock:
-            out = [(p, self.tree.record(e), e.commit, None if e.kind == KIND_DIR else
-                    self._data_path(e.k)) for p, e in self.tree.entries()]
+            out = [(p, self.tree.record(e), e.commit, self._data_path(e.k)
+                    if e.kind == KIND_FILE else None) for p, e in self.tree.entries()]
         yield from out
 
     def is_shadow(self, path: PathLike) -> bool:
@@ -265,7 +295,7 @@ class WriteStore(FileStore):
                 "write_used_bytes": self.used_bytes,
                 "write_quota_bytes": self.quota_bytes,
                 "written_files": files,
-                "written_dirs": len(self.tree.ents) - files - 1,
+                "written_dirs": sum(1 for e in self.tree.ents.values() if e.kind == KIND_DIR) - 1,
                 "open_handles": len(self._handles),
             }
 

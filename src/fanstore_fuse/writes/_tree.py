@@ -20,12 +20,13 @@ from .._errors import (
     NotEmpty,
     NotFound,
 )
-from .._format import KIND_DIR, KIND_FILE
+from .._format import KIND_DIR, KIND_LINK
 from .._namespace import Record
 from ._hashing import Hasher
 
 WRITE_INODE_BASE = 1 << 40
 DIR_SIZE = 4096
+KIND_NODE = 3  # a fifo, socket or device node: a name and attributes, no data
 PathLike = str | bytes
 
 
@@ -61,6 +62,8 @@ class Entry:
     unlinked: bool = False
     hasher: Hasher | None = None  # valid while the file has only been appended to
     synced_dirent: bool = False
+    target: bytes = b""  # a symlink's
+    rdev: int = 0  # a device node's
 
     @property
     def kids(self) -> dict[bytes, int]:
@@ -212,8 +215,9 @@ class EntryTree:
             nsub = sum(1 for c in e.kids.values() if self.ents[c].kind == KIND_DIR)
             return Record(WRITE_INODE_BASE + e.k - 1, e.name, KIND_DIR, e.mode, e.uid, e.gid,
                           e.mtime_ns, DIR_SIZE, 0, len(e.kids), 2 + nsub)
-        return Record(WRITE_INODE_BASE + e.k - 1, e.name, KIND_FILE, e.mode, e.uid, e.gid,
-                      e.mtime_ns, e.size, 0, 0, 0 if e.unlinked else 1)
+        size = len(e.target) if e.kind == KIND_LINK else e.size
+        return Record(WRITE_INODE_BASE + e.k - 1, e.name, e.kind, e.mode, e.uid, e.gid,
+                      e.mtime_ns, size, e.rdev, 0, 0 if e.unlinked else 1)
 
     def entries(self) -> list[tuple[bytes, Entry]]:
         """Every entry below the root with its path, parents first (path components order)."""
