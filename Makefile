@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 EXTRAS ?= test,bench,tensor
 
-.PHONY: all deps venv install demo test test-fast lint bench bench-quick bench-metadata clean
+.PHONY: all deps venv install demo test test-fast lint bench bench-quick bench-metadata clean pjdfstest
 
 all: test
 
@@ -31,6 +31,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# POSIX conformance of a written directory (issue 13): ok / planned per directory, and the bar
+# (>= 95% ok). Root, /dev/fuse, autotools (installed with apt when missing). About 10 min.
+PJD_JSON ?= /tmp/fanstore-pjdfstest.json
+pjdfstest: $(STAMP)
+	$(PY) scripts/pjdfstest.py --json $(PJD_JSON)
+	$(PY) -c "import json,sys; t=json.load(open('$(PJD_JSON)'))['total']; \
+	  print(f\"{t['ok']}/{t['planned']} ok\"); sys.exit(t['ok'] < 0.95 * t['planned'])"
 
 # In process only: no FUSE mount, no MPI ranks (runs where /dev/fuse is missing).
 test-fast: $(STAMP)
