@@ -1,13 +1,17 @@
 """The writable part of the mount as local-file-system tools use it (issue 13): cp -a, cp -p,
-install -m and tar -xf of a real tree, empty directories, chown, unlink-while-open, name length,
-statfs inodes; across ranks, racing creates of the same names and a log followed by tail -F."""
+install -m and tar -xf of a real tree (symlinks and a fifo included), empty directories, chown,
+unlink-while-open, name length, statfs inodes; across ranks, racing creates of the same names
+and a log appended on one rank, followed on the others with tail -F and open/read/close polling
+(close-to-open for new opens, a snapshot that follows appends for open readers)."""
 
 from __future__ import annotations
 
 import errno
 import os
+import shutil
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -155,6 +159,11 @@ def test_posix_details_of_written_entries(dest: Path, tmp_path: Path, mount_fact
         assert ((out / "g").stat().st_uid, (out / "g").stat().st_gid) == (1234, 5678)
 
 
+def _three_ranks(dest: Path, tmp_path: Path, mount_factory):
+    return mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=3,
+                         local=str(tmp_path / "local" / "{rank}"))
+
+
 def _race(mps: list[Path], names: list[str], exclusive: bool) -> dict[str, list[int]]:
     """Each rank's mountpoint creates every name at the same time; winners per name."""
     wins: dict[str, list[int]] = {n: [] for n in names}
@@ -189,8 +198,7 @@ def _race(mps: list[Path], names: list[str], exclusive: bool) -> dict[str, list[
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
 def test_two_ranks_race_creates_of_the_same_names(dest: Path, tmp_path: Path, mount_factory):
-    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=3,
-                      local=str(tmp_path / "local" / "{rank}"))
+    m = _three_ranks(dest, tmp_path, mount_factory)
     mps = [Path(mp) for mp in m.mountpoints]
     (mps[0] / "x").mkdir()
     (mps[0] / "w").mkdir()
@@ -210,3 +218,62 @@ def test_two_ranks_race_creates_of_the_same_names(dest: Path, tmp_path: Path, mo
     r = run_cli("umount", m.template, "--stage-out", out, env=m.env)
     m.umount_result = r
     assert _bytes(out) == expect
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_a_log_appended_on_one_rank_is_followed_on_the_others(dest: Path, tmp_path: Path,
+                                                               mount_factory):
+    m = _three_ranks(dest, tmp_path, mount_factory)
+    r0, r1, r2 = (Path(mp) for mp in m.mountpoints)
+    lines = [f"line {i:04d} {'x' * (i % 97)}\n" for i in range(1000)]
+    full = "".join(lines)
+    (r2 / "logs").mkdir()
+    (r2 / "logs" / "train.log").write_text("")
+    tail = subprocess.Popen(
+        [shutil.which("tail") or "tail", "-F", "-n", "+1", "-s", "0.05",
+         os.fspath(r0 / "logs" / "train.log")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tailed: list[str] = []
+    assert tail.stdout is not None
+    reader = threading.Thread(target=lambda: tailed.extend(tail.stdout or []))
+    reader.start()
+    seen: list[str] = []
+    errors: list[str] = []
+    done = threading.Event()
+
+    def poll() -> None:  # open/read/close on rank 1, while the writer appends
+        while True:
+            last = done.is_set()
+            try:
+                text = (r1 / "logs" / "train.log").read_text()
+            except OSError as e:
+                errors.append(f"poll: {e}")
+                text = ""
+            if not full.startswith(text) or not text.endswith("\n") and text:
+                errors.append(f"poll read {len(text)} chars, not a prefix of the log")
+            seen.append(text)
+            if last:
+                return
+            time.sleep(0.01)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        for line in lines:
+            with open(r2 / "logs" / "train.log", "a") as f:
+                f.write(line)
+    finally:
+        done.set()
+        poller.join()
+    deadline = time.monotonic() + 60
+    while len("".join(tailed)) < len(full) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    tail.terminate()
+    tail.wait(10)
+    reader.join()
+    err = tail.stderr.read() if tail.stderr else ""
+    assert "".join(tailed) == full
+    assert "error" not in err.lower(), err
+    assert not errors, errors[:5]
+    assert seen[-1] == full and len(set(seen)) > 2  # the poller saw the log grow
