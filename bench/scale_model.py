@@ -344,6 +344,16 @@ def print_ring_table(rings: list[dict]) -> None:
 # ---------------------------------------------------------------- throughput projection
 
 
+def imbalances(nodes: list[int], vnodes: int = _ring.DEFAULT_VNODES,
+               probes: int = _ring.DEFAULT_PROBES) -> dict[int, float]:
+    """The ring's blob-share imbalance (max/mean) at each node count."""
+    out = {}
+    for n in nodes:
+        pts, own = ring_arrays(_ring.Ring(range(n), vnodes=vnodes, probes=probes))
+        out[n] = max_over_mean(node_shares(pts, own, probes, n), list(range(n)))[0]
+    return out
+
+
 def project(costs: dict[str, float], imbalance: dict[int, float], demand: float) -> list[dict]:
     c = costs
     replicas = max(1.0, c["replicas"])
@@ -495,10 +505,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # projection: the ring's blob-share imbalance at every node count
     proj_nodes = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
-    imbalance = {}
-    for n in proj_nodes:
-        pts, own = ring_arrays(_ring.Ring(range(n), vnodes=args.vnodes, probes=args.probes))
-        imbalance[n] = max_over_mean(node_shares(pts, own, args.probes, n), list(range(n)))[0]
+    imbalance = imbalances(proj_nodes, args.vnodes, args.probes)
     paper_rows = project(costs, imbalance, costs["demand_files_s"])
     modern_rows = project(costs, imbalance, costs["modern_demand_files_s"])
     print("\nCOSTS " + ", ".join(f"{k}={v:g}" for k, v in costs.items()))

@@ -8,6 +8,7 @@
 | `FANSTORE_MPI_SPIN` | 20 | `sleep(0)` polls of the MPI thread before it backs off |
 | `FANSTORE_MPI_MAX_SLEEP` | 0.001 | longest idle sleep (s) of the MPI thread while recently busy |
 | `FANSTORE_MPI_SEND_POLL` | 2e-05 | sleep (s) between progress polls while sends are pending |
+| `FANSTORE_MPI_REPLY_POLL` | 2e-05 | sleep (s) between polls while replies are due (0: back off) |
 
 The daemon builds one `Settings` (`Settings.from_env()`) and hands it to what it composes;
 library code never reads the environment for these. A bad value is a one-line error.
@@ -28,6 +29,7 @@ _ENV = {
     "mpi_spin": "FANSTORE_MPI_SPIN",
     "mpi_max_sleep": "FANSTORE_MPI_MAX_SLEEP",
     "mpi_send_poll": "FANSTORE_MPI_SEND_POLL",
+    "mpi_reply_poll": "FANSTORE_MPI_REPLY_POLL",
 }
 
 
@@ -39,6 +41,7 @@ class Settings:
     mpi_spin: int = 20
     mpi_max_sleep: float = 0.001
     mpi_send_poll: float = 20e-6
+    mpi_reply_poll: float = 20e-6
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

@@ -2,8 +2,9 @@
 
 The MPI thread posts `Isend`s from an outgoing queue, matches incoming messages with
 `improbe` + `Message.Recv`, completes sends with `Testsome`, and backs off (sleep(0), then
-sleeps growing to ~1 ms) when idle so an idle daemon does not spin a core. Received frames are
-handed to trio with `TrioToken.run_sync_soon`; trio tasks serve requests concurrently and
+sleeps growing to ~1 ms) when idle so an idle daemon does not spin a core. A request posted by
+trio sets an event that ends the sleep at once; while replies are awaited it polls every ~20 us.
+Received frames are handed to trio with `TrioToken.run_sync_soon`; trio tasks serve requests concurrently and
 wait for responses with a timeout.
 """
 
@@ -205,7 +206,7 @@ class MpiTransport:
         token = self._token
         assert token is not None
         spin, max_sleep = self.settings.mpi_spin, self.settings.mpi_max_sleep
-        send_poll = self.settings.mpi_send_poll
+        send_poll, reply_poll = self.settings.mpi_send_poll, self.settings.mpi_reply_poll
         idle = 0
         while not self._stop.is_set():
             busy = False
@@ -250,6 +251,11 @@ class MpiTransport:
                 # A large send moves only while this thread drives progress: keep polling,
                 # without starving the trio thread of the GIL.
                 time.sleep(send_poll)
+                continue
+            if reply_poll and self._pending:
+                # A reply is due: it cannot set an event, so poll briefly instead of letting
+                # the backoff's growing sleeps add up to a millisecond to the round trip.
+                time.sleep(reply_poll)
                 continue
             idle += 1
             if idle < spin:

@@ -1,0 +1,329 @@
+"""CPU cost and latency of a file read: ``python -m bench.cost [--files N] [--json PATH]``.
+
+Figures a loaded 2-core machine does not distort (issue 11): the daemons' CPU time (user+sys
+from /proc/PID/stat, every process of the mount) per file read, for local reads (1 rank) and
+remote reads (2 ranks, rank 0 reading only files whose blobs rank 1 holds, client and server
+daemons together); single-reader latency p50/p99 per file; the default (writable) mount beside
+``--read-only`` on warm reads; squashfuse and squashfuse_ll as anchors. The CPU costs then
+feed the scale model (bench/scale_model.py) for 1..512 nodes at 550 and 20,000 files/s/node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import scale_model
+from ._fanstore import cli_command
+from ._profile import Profiler, daemon_pids, summarize
+from ._util import (
+    REPO,
+    Mount,
+    drop_caches,
+    log,
+    pids_with_arg,
+    register,
+    rm_rf,
+    run_cmd,
+    teardown,
+    teardown_all,
+    wait_mounted,
+)
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """user+sys seconds of these processes (fields 14 and 15 of /proc/PID/stat)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / TICK
+
+
+def make_tree(src: Path, n: int, seed: int = 11) -> list[str]:
+    """n incompressible files of 90-130 KB in 20 directories (reused when complete)."""
+    rels = [f"d{i % 20:02d}/f{i:05d}.jpg" for i in range(n)]
+    if all((src / r).exists() for r in rels):
+        return rels
+    rng = random.Random(seed)
+    for r in rels:
+        p = src / r
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(rng.randbytes(rng.randint(90_000, 130_000)))
+    return rels
+
+
+def read_files(root: str, rels: list[str]) -> list[float]:
+    """Read each file whole with one reader; seconds per file (open to close)."""
+    out = []
+    for r in rels:
+        t0 = time.perf_counter()
+        with open(os.path.join(root, r), "rb", buffering=0) as f:
+            while f.read(1 << 20):
+                pass
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def summary(times: list[float], cpu: float | None = None) -> dict:
+    s = sorted(times)
+    d = {"files": len(s), "files_per_s": len(s) / sum(s), "p50_us": s[len(s) // 2] * 1e6,
+         "p99_us": s[min(len(s) - 1, int(len(s) * 0.99))] * 1e6}
+    if cpu is not None:
+        d["cpu_us_per_file"] = cpu / len(s) * 1e6
+    return d
+
+
+def remote_to_rank0(dest: Path, rels: list[str]) -> list[str]:
+    """The files all of whose blobs rank 1 holds and rank 0 does not (2 ranks, 1 replica)."""
+    sys.path.insert(0, str(REPO / "src"))
+    from fanstore_fuse._format import MANIFEST_NAME, read_manifest
+    from fanstore_fuse._namespace import Namespace
+    from fanstore_fuse._ring import Placement
+
+    m = read_manifest(str(dest / MANIFEST_NAME))
+    parts, bpart = m.partitions, m.blobs["part"]
+    pl = Placement(2, 1, is_broadcast=lambda b: parts[bpart[b]].broadcast)
+    ns = Namespace(m)
+    out = []
+    for r in rels:
+        blobs = ns.blobs(ns.resolve(b"/" + r.encode()))
+        if len(blobs) and all(not pl.holds(0, b) for b in blobs):
+            out.append(r)
+    return out
+
+
+class Fan:
+    """One fanstore-fuse mount (1 or 2 ranks) driven through the CLI."""
+
+    def __init__(self, work: Path, dest: Path, tag: str, ranks: int, extra: list[str], env: dict):
+        self.cmd, cenv, why = cli_command()
+        if self.cmd is None:
+            raise SystemExit(why)
+        self.env = {**os.environ, **cenv, **env, "FANSTORE_STATE_DIR": str(work / "state")}
+        base = work / f"mnt-{tag}"
+        self.arg = str(base / "{rank}") if ranks > 1 else str(base)
+        self.mps = [self.arg.format(rank=r) for r in range(ranks)]
+        loc = str(work / f"local-{tag}" / "{rank}") if ranks > 1 else str(work / f"local-{tag}")
+        for mp in self.mps:
+            Path(mp).mkdir(parents=True, exist_ok=True)
+        rm_rf(work / f"local-{tag}")
+        self.marker = str(base)
+        self.mounts = [register(Mount(mp, umount_cmd=[*self.cmd, "umount", mp] if i == 0 else None,
+                                      pid_marker=self.marker if i == 0 else None))
+                       for i, mp in enumerate(self.mps)]
+        args = ["mount", str(dest), self.arg, "--local", loc, *extra]
+        if ranks > 1:
+            args += ["--ranks", str(ranks)]
+        self.command = "fanstore-fuse " + " ".join(args)
+        run_cmd([*self.cmd, *args], timeout=300, env=self.env)
+        for mp in self.mps:
+            wait_mounted(mp, 300)
+
+    def pids(self) -> list[int]:
+        return pids_with_arg(self.marker)
+
+    def close(self) -> None:
+        for m in self.mounts:
+            for p in teardown(m):
+                log(f"teardown: {p}")
+
+
+def measure_fan(fan: Fan, root: str, rels: list[str], cold: bool) -> dict:
+    if cold:
+        drop_caches()
+    pids = fan.pids()
+    daemons = daemon_pids(fan.marker)
+    before = {p: cpu_seconds([p]) for p in pids}
+    times = read_files(root, rels)
+    used = {p: cpu_seconds([p]) - c for p, c in before.items()}
+    res = summary(times, sum(used.values()))
+    # per daemon (in rank order) and the rest (mpiexec, hydra proxy)
+    res["cpu_us_per_file_by_daemon"] = [used[p] / len(rels) * 1e6 for p in daemons if p in used]
+    res["cpu_us_per_file_other"] = sum(v for p, v in used.items() if p not in daemons) / len(rels) * 1e6
+    return res
+
+
+def best_of(fan: Fan, rels: list[str], rounds: int) -> list[dict]:
+    return [measure_fan(fan, fan.mps[0], rels, cold=False) for _ in range(rounds)]
+
+
+def median(runs: list[dict]) -> dict:
+    return sorted(runs, key=lambda d: d["files_per_s"])[len(runs) // 2]
+
+
+def squash(work: Path, src: Path, rels: list[str]) -> dict:
+    """Cold and warm reads through squashfuse and squashfuse_ll over one zstd image."""
+    out: dict = {}
+    if not shutil.which("mksquashfs"):
+        return {"error": "mksquashfs not installed"}
+    image = work / "data.sqfs"
+    if not image.exists():
+        run_cmd(["mksquashfs", str(src), str(image), "-comp", "zstd", "-noappend", "-no-progress"])
+    for exe in ("squashfuse", "squashfuse_ll"):
+        path = shutil.which(exe)
+        if not path:
+            out[exe] = {"error": f"{exe} not installed"}
+            continue
+        mp = work / f"mnt-{exe}"
+        mp.mkdir(exist_ok=True)
+        proc = subprocess.Popen([path, "-f", str(image), str(mp)], stderr=subprocess.PIPE, text=True)
+        m = register(Mount(str(mp), procs=[proc]))
+        try:
+            wait_mounted(mp, 60, proc)
+            drop_caches()
+            c0 = cpu_seconds([proc.pid])
+            cold = summary(read_files(str(mp), rels), cpu_seconds([proc.pid]) - c0)
+            read_files(str(mp), rels)
+            c0 = cpu_seconds([proc.pid])
+            warm = summary(read_files(str(mp), rels), cpu_seconds([proc.pid]) - c0)
+            out[exe] = {"cold": cold, "warm": warm}
+        finally:
+            teardown(m)
+    return out
+
+
+def run_remote(work: Path, dest: Path, rels: list[str], tag: str, env: dict,
+               profile: bool = False) -> dict:
+    fan = Fan(work, dest, tag, 2, ["--read-only"], env)
+    try:
+        res = measure_fan(fan, fan.mps[0], rels, cold=True)
+        res["command"] = fan.command
+        res["env"] = env
+        if profile:  # an extra run (sampling costs CPU): its figures are not reported
+            fan.close()
+            fan = Fan(work, dest, tag, 2, ["--read-only"], env)
+            with Profiler(daemon_pids(fan.marker), work / f"profile-{tag}") as prof:
+                read_files(fan.mps[0], rels)
+            res["profile"] = {str(p): summarize([f]) for p, f in
+                              zip(prof.pids, prof.files, strict=False)} or prof.error
+        return res
+    finally:
+        fan.close()
+
+
+def project(res: dict) -> dict:
+    """Scale model rows with the measured CPU per file (one daemon core per node)."""
+    costs = dict(scale_model.DEFAULT_COSTS)
+    local, remote = res["local_cold"], res["remote_cold"]
+    costs["local_files_s"] = 1e6 / local["cpu_us_per_file"]
+    # every node serves as many remote reads as it makes: client + server CPU per remote file
+    costs["remote_files_s"] = 1e6 / remote["cpu_us_per_file"]
+    costs["remote_latency_s"] = remote["p50_us"] * 1e-6
+    imbalance = scale_model.imbalances([1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
+    out = {"costs": costs}
+    for key, demand in (("paper", 550.0), ("modern", 20000.0)):
+        rows = scale_model.project(costs, imbalance, demand)
+        scale_model.print_projection(f"PROJECTION from measured CPU per file, {key}", rows, demand)
+        out[key] = rows
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.cost", description=__doc__.split("\n")[0])
+    ap.add_argument("--files", type=int, default=2000)
+    ap.add_argument("--work", default="/tmp/fanstore-bench-cost")
+    ap.add_argument("--json", default=str(REPO / "bench" / "out" / "cost.json"))
+    ap.add_argument("--ab", action="append", default=[], metavar="KEY=VALUE",
+                    help="also measure remote reads with this daemon environment (repeatable)")
+    ap.add_argument("--no-squashfuse", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved warm passes per mount")
+    ap.add_argument("--profile", action="store_true", help="py-spy the remote read (extra run)")
+    args = ap.parse_args(argv)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    src, dest = work / "src", work / "dest"
+    rels = make_tree(src, args.files)
+    res: dict = {"files": len(rels), "loadavg_start": os.getloadavg()}
+    cmd, cenv, why = cli_command()
+    if cmd is None:
+        raise SystemExit(why)
+    rm_rf(dest)
+    run_cmd([*cmd, "prep", str(src), str(dest), "--partitions", "8", "--codec", "zstd", "--quiet"],
+            env={**os.environ, **cenv})
+    try:
+        # the default (writable) mount and --read-only, both mounted, warm passes interleaved
+        rw = Fan(work, dest, "rw", 1, [], {})
+        ro = Fan(work, dest, "ro", 1, ["--read-only"], {})
+        try:
+            res["local_cold"] = measure_fan(ro, ro.mps[0], rels, cold=True)
+            res["writable_cold"] = measure_fan(rw, rw.mps[0], rels, cold=True)
+            runs: dict[str, list[dict]] = {"writable": [], "read_only": []}
+            for _ in range(args.rounds):
+                runs["writable"] += best_of(rw, rels, 1)
+                runs["read_only"] += best_of(ro, rels, 1)
+            for k, v in runs.items():
+                res[f"{k}_warm"] = median(v)
+                res[f"{k}_warm_runs"] = [round(d["files_per_s"]) for d in v]
+            log(f"1 rank: {res}")
+        finally:
+            rw.close()
+            ro.close()
+        remote = remote_to_rank0(dest, rels)
+        log(f"{len(remote)} of {len(rels)} files are held by rank 1 only")
+        res["remote_cold"] = run_remote(work, dest, remote, "r2", {}, args.profile)
+        log(f"2 ranks, remote only: {res['remote_cold']}")
+        for i, kv in enumerate(args.ab):
+            k, _, v = kv.partition("=")
+            r = run_remote(work, dest, remote, f"r2ab{i}", {k: v})
+            res.setdefault("remote_ab", []).append(r)
+            log(f"2 ranks, remote only, {kv}: {r}")
+        if not args.no_squashfuse:
+            res["squashfuse"] = squash(work, src, rels)
+    finally:
+        teardown_all()
+    res["loadavg_end"] = os.getloadavg()
+    print_table(res)
+    res["scale"] = project(res)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
+def print_table(res: dict) -> None:
+    print(f"\nCOST per file read, one reader, {res['files']} files of 90-130 KB "
+          f"(load average {res['loadavg_start'][0]:.1f} -> {res['loadavg_end'][0]:.1f})")
+    print(f"  {'':38} {'files/s':>9} {'p50 us':>8} {'p99 us':>8} {'CPU us/file':>12}")
+    rows = [("1 rank --read-only, cold (local)", res.get("local_cold")),
+            ("1 rank writable (default), cold", res.get("writable_cold")),
+            ("2 ranks, remote files only, cold", res.get("remote_cold"))]
+    rows += [(f"  same with {r['env']}", r) for r in res.get("remote_ab", [])]
+    rows += [("1 rank --read-only, warm", res.get("read_only_warm")),
+             ("1 rank writable (default), warm", res.get("writable_warm"))]
+    for exe, d in (res.get("squashfuse") or {}).items():
+        if isinstance(d, dict) and "cold" in d:
+            rows += [(f"{exe}, cold", d["cold"]), (f"{exe}, warm", d["warm"])]
+    for label, d in rows:
+        if d:
+            print(f"  {label:38} {d['files_per_s']:>9,.0f} {d['p50_us']:>8,.0f} "
+                  f"{d['p99_us']:>8,.0f} {d.get('cpu_us_per_file', 0):>12,.0f}")
+    lc, rc = res.get("local_cold"), res.get("remote_cold")
+    if rc:
+        by = ", ".join(f"rank {i} {v:,.0f}" for i, v in enumerate(rc["cpu_us_per_file_by_daemon"]))
+        print(f"  remote CPU us/file by daemon: {by}; mpiexec+proxy {rc['cpu_us_per_file_other']:,.0f}")
+    if lc and rc:
+        print(f"  remote/local: CPU {rc['cpu_us_per_file'] / lc['cpu_us_per_file']:.2f}x "
+              f"(bar <= 1.5x), p50 {rc['p50_us'] / lc['p50_us']:.2f}x (bar <= 2x)")
+    w, r = res.get("writable_warm"), res.get("read_only_warm")
+    if w and r:
+        print(f"  warm files/s per pass, writable {res['writable_warm_runs']}, "
+              f"read-only {res['read_only_warm_runs']}")
+        print(f"  writable/read-only warm files/s: {w['files_per_s'] / r['files_per_s']:.2f} "
+              f"(bar >= 0.95)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
