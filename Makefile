@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 EXTRAS ?= test,bench,tensor
 
-.PHONY: all deps venv install demo test test-fast lint bench bench-quick bench-metadata clean pjdfstest
+.PHONY: all deps venv install demo test test-fast lint bench bench-quick bench-metadata bench-cost clean pjdfstest
 
 all: test
 
@@ -54,11 +54,16 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(PY) -m bench.run --quick
 	$(PY) -m bench.metadata_scale --files 2000 --files 10000
+	$(PY) -m bench.cost
 
 # Metadata scale (issue 14): tiny-file trees; FILES="20000 128117" or up to 1281167 (minutes).
 FILES ?= 20000 128117
 bench-metadata: $(STAMP)
 	$(PY) -m bench.metadata_scale $(foreach n,$(FILES),--files $(n)) --out /tmp/fanstore-metadata-bench/results.json
+
+# CPU per file read (local, remote), latency, writable vs --read-only, squashfuse(_ll): issue 11
+bench-cost: $(STAMP)
+	$(PY) -m bench.cost
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

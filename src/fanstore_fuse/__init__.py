@@ -1,5 +1,6 @@
 """fanstore-fuse: a job-scoped, FUSE-mounted distributed transient file system for DL I/O."""
 
+from . import _fastclose  # noqa: F401  (first: loads the FOPEN_NOFLUSH shim before pyfuse3)
 from ._errors import ChecksumError, FanstoreError, FormatError
 from ._format import FORMAT_VERSION, Manifest, read_manifest
 from ._namespace import Namespace

@@ -20,6 +20,7 @@ import trio
 from ._blobstore import BlobStore
 from ._compose import Parts, compose, open_transport
 from ._errors import FanstoreError
+from ._fastclose import enable_noflush
 from ._format import Manifest, read_manifest
 from ._fsio import atomic_write
 from ._fuse_ops import Operations
@@ -214,10 +215,12 @@ def _progress_writer(path: str | None, total: int):
     return tick
 
 
-def _mount(cfg: MountConfig, m: _Mounted, view: MountView) -> None:
+def _mount(cfg: MountConfig, m: _Mounted, view: MountView, settings: Settings) -> None:
     opts = fuse_options(cfg)
     if cfg.debug:
         opts.add("debug")
+    if cfg.writable and settings.noflush:  # read-only mounts answer FLUSH with ENOSYS
+        enable_noflush()
     try:
         pyfuse3.init(Operations(view), m.mountpoint, opts)
     except RuntimeError as e:
@@ -326,7 +329,7 @@ def serve(cfg: MountConfig) -> int:
         m.parts = compose(manifest, m.store, cfg.dest, placement, rank,
                           lambda table: open_transport(comm, table, settings), m.writes, settings,
                           m.held, cfg.peer_timeout, cfg.warm_metadata)
-        _mount(cfg, m, m.parts.view)
+        _mount(cfg, m, m.parts.view, settings)
     except FanstoreError as e:
         error = str(e)
     except Exception as e:

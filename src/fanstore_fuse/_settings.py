@@ -8,6 +8,7 @@
 | `FANSTORE_MPI_SPIN` | 20 | `sleep(0)` polls of the MPI thread before it backs off |
 | `FANSTORE_MPI_MAX_SLEEP` | 0.001 | longest idle sleep (s) of the MPI thread while recently busy |
 | `FANSTORE_MPI_SEND_POLL` | 2e-05 | sleep (s) between progress polls while sends are pending |
+| `FANSTORE_NOFLUSH` | 1 | writable mount: open read-only files with FOPEN_NOFLUSH (0: flush every close) |
 | `FANSTORE_MPI_REPLY_POLL` | 2e-05 | sleep (s) between polls while replies are due (0: back off) |
 
 The daemon builds one `Settings` (`Settings.from_env()`) and hands it to what it composes;
@@ -30,6 +31,7 @@ _ENV = {
     "mpi_max_sleep": "FANSTORE_MPI_MAX_SLEEP",
     "mpi_send_poll": "FANSTORE_MPI_SEND_POLL",
     "mpi_reply_poll": "FANSTORE_MPI_REPLY_POLL",
+    "noflush": "FANSTORE_NOFLUSH",
 }
 
 
@@ -42,6 +44,7 @@ class Settings:
     mpi_max_sleep: float = 0.001
     mpi_send_poll: float = 20e-6
     mpi_reply_poll: float = 20e-6
+    noflush: int = 1
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

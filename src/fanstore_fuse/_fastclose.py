@@ -1,0 +1,61 @@
+"""FOPEN_NOFLUSH for read-only opens on a writable mount, through the `_noflush` C shim.
+
+The kernel sends FLUSH on every close(2) unless open answered FOPEN_NOFLUSH; pyfuse3's FileInfo
+cannot say so. `load()` (run when the package's `__init__` imports this module, before anything
+imports pyfuse3: Python loads extensions with RTLD_NOW, so pyfuse3 binds libfuse's functions at
+import) puts
+`_noflush` in the global symbol scope, where its `fuse_reply_open` comes before libfuse's.
+Disabled, it passes every reply through; `enable_noflush()` makes it set `noflush` for O_RDONLY
+opens. Files opened for writing still get FLUSH, which commits them on close. Without the shim
+(no C compiler at install), or when pyfuse3 was imported first, every close is flushed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from types import ModuleType
+
+log = logging.getLogger("fanstore_fuse.fastclose")
+
+_shim: ModuleType | None = None
+_why = "not loaded"
+
+
+def load() -> None:
+    global _shim, _why
+    if "pyfuse3" in sys.modules:
+        _why = "pyfuse3 was imported before fanstore_fuse"
+        return
+    flags = sys.getdlopenflags()
+    sys.setdlopenflags(flags | os.RTLD_GLOBAL)
+    try:
+        from . import _noflush  # type: ignore[attr-defined]
+    except ImportError as e:
+        _why = f"shim not built: {e}"
+        return
+    finally:
+        sys.setdlopenflags(flags)
+    _shim = _noflush
+
+
+def enable_noflush() -> bool:
+    """Turn the shim on; False (with one log line) when it is not there or not usable."""
+    if _shim is None:
+        log.info("no FOPEN_NOFLUSH (%s): every close of a file is flushed", _why)
+        return False
+    try:
+        _shim.enable(True)
+    except OSError as e:
+        log.warning("FOPEN_NOFLUSH shim not usable: %s", e)
+        return False
+    return True
+
+
+def noflush_opens() -> int:
+    """Opens answered with FOPEN_NOFLUSH by this process."""
+    return int(_shim.count()) if _shim is not None else 0
+
+
+load()

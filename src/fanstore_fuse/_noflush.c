@@ -1,0 +1,71 @@
+/* FOPEN_NOFLUSH for files opened read-only (issue 11).
+ *
+ * pyfuse3 3.5's FileInfo cannot set fuse_file_info.noflush (libfuse >= 3.10), so the kernel
+ * sends FLUSH on every close(2) of a writable mount, one round trip per dataset file. Imported
+ * with RTLD_GLOBAL before the first open is answered, this module's fuse_reply_open comes first
+ * in the global scope and so binds pyfuse3's lazily resolved call to libfuse's. When enabled, it
+ * sets noflush on replies to O_RDONLY opens and calls libfuse's fuse_reply_open. Files opened for
+ * writing keep FLUSH: close(2) of a written file still commits it (close-to-open).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#define FUSE_USE_VERSION 35
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <fuse_lowlevel.h>
+
+typedef int (*reply_open_t)(fuse_req_t, const struct fuse_file_info *);
+
+static reply_open_t real_reply_open;
+static int enabled;
+static unsigned long long noflush_opens;
+
+static reply_open_t find_real(void) {
+    void *lib = dlopen("libfuse3.so.3", RTLD_NOW | RTLD_LOCAL);
+    return lib ? (reply_open_t)dlsym(lib, "fuse_reply_open") : NULL;
+}
+
+int fuse_reply_open(fuse_req_t req, const struct fuse_file_info *fi) {
+    if (real_reply_open == NULL)
+        real_reply_open = find_real();
+    if (real_reply_open == NULL || real_reply_open == fuse_reply_open)
+        return -ENOSYS; /* cannot happen once enable() succeeded */
+    if (enabled && (fi->flags & O_ACCMODE) == O_RDONLY) {
+        struct fuse_file_info copy = *fi;
+        copy.noflush = 1;
+        noflush_opens++;
+        return real_reply_open(req, &copy);
+    }
+    return real_reply_open(req, fi);
+}
+
+static PyObject *enable(PyObject *self, PyObject *arg) {
+    (void)self;
+    int on = PyObject_IsTrue(arg);
+    if (on < 0)
+        return NULL;
+    if (real_reply_open == NULL)
+        real_reply_open = find_real();
+    if (real_reply_open == NULL || real_reply_open == fuse_reply_open) {
+        PyErr_SetString(PyExc_OSError, "libfuse3.so.3's fuse_reply_open not found");
+        return NULL;
+    }
+    enabled = on;
+    Py_RETURN_NONE;
+}
+
+static PyObject *count(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyLong_FromUnsignedLongLong(noflush_opens);
+}
+
+static PyMethodDef methods[] = {
+    {"enable", enable, METH_O, "enable(on): set noflush on replies to read-only opens"},
+    {"count", count, METH_NOARGS, "count(): opens answered with noflush so far"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_noflush", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__noflush(void) { return PyModule_Create(&module); }
