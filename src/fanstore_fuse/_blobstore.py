@@ -113,14 +113,26 @@ class BlobStore:
             raise ChecksumError(f"{self.where(blob)}: read failed: {e.strerror}") from None
         return bytes(buf) if k == n else None
 
-    def stored_into(self, blob: int, buf: memoryview) -> None:
-        """Read the stored bytes of `blob` into `buf` (exactly its stored size), no extra copy."""
+    def stored_into(self, blob: int, buf: memoryview, nowait: bool = False) -> bool:
+        """Read the stored bytes of `blob` into `buf` (exactly its stored size), no extra copy.
+        With `nowait`, only from the page cache (RWF_NOWAIT): False at once if it would wait."""
+        if nowait and not self._nowait:
+            return False
         try:
-            n = os.preadv(self._fd(self._part[blob]), [buf], self._offset(blob))
+            n = os.preadv(self._fd(self._part[blob]), [buf], self._offset(blob),
+                          os.RWF_NOWAIT if nowait else 0)
+        except BlockingIOError:
+            return False
         except OSError as e:
+            if nowait and e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                self._nowait = False
+                return False
             raise ChecksumError(f"{self.where(blob)}: read failed: {e.strerror}") from None
         if n != len(buf):
+            if nowait:
+                return False  # partly cached: the blocking read tells a short partition apart
             raise ChecksumError(f"{self.where(blob)}: partition truncated")
+        return True
 
     def decode(self, blob: int, stored: bytes | memoryview) -> bytes:
         """Decode and verify bytes that claim to be `blob` (local or from a peer)."""

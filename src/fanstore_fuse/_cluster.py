@@ -226,18 +226,25 @@ def serve_handlers(
     async def ping(src: int, req: Frame) -> Frame:
         return Frame(req.op, req.req_id, rank)
 
-    async def fetch_blob(src: int, req: Frame) -> Frame | bytearray:
+    def fetch_blob_now(src: int, req: Frame, may_block: bool) -> bytearray | None:
+        """The reply frame, stored bytes read straight into it; None if `may_block` is false
+        and the page cache lacks them. Runs on the MPI thread first (no trio hop), then, when
+        the disk must be read, in a worker thread of the transport."""
         blob = req.arg
         if blob >= ns.m.n_blobs or not placement.holds(rank, blob):
             raise NotFound(f"rank {rank} does not hold blob {blob}")
-        n = store.stored_size(blob)
-        buf, body = frame_buffer(req.op, req.req_id, blob, n)
-        if n >= threshold:
-            await trio.to_thread.run_sync(store.stored_into, blob, body)
-        else:
-            store.stored_into(blob, body)
+        buf, body = frame_buffer(req.op, req.req_id, blob, store.stored_size(blob))
+        if not store.stored_into(blob, body, nowait=not may_block):
+            return None
         node.stats.extra["served_blobs"] = node.stats.extra.get("served_blobs", 0) + 1
         return buf
+
+    async def fetch_blob(src: int, req: Frame) -> Frame | bytearray:
+        resp = fetch_blob_now(src, req, False)
+        if resp is None:
+            resp = await trio.to_thread.run_sync(fetch_blob_now, src, req, True)
+        assert resp is not None
+        return resp
 
     async def lookup(src: int, req: Frame) -> Frame:
         return Frame(req.op, req.req_id, body=pack(_rec_to_wire(ns.record(owned_index(req.body)))))
@@ -264,6 +271,7 @@ def serve_handlers(
         (OP_LISTDIR, listdir), (OP_RECORDS, records), (OP_STATUS, status),
     ):
         table.register(op, h)
+    table.register_inline(OP_FETCH_BLOB, fetch_blob_now)
 
 
 @dataclass

@@ -124,18 +124,48 @@ def unpack(body: bytes | bytearray | memoryview) -> Any:
 
 
 Handler = Callable[[int, Frame], Awaitable["Frame | bytearray"]]
+# Served on the transport's own thread (no trio hop): called with may_block=False first, where
+# it must not wait on the disk and returns None if it would; then again in a worker thread with
+# may_block=True. Must be thread-safe.
+InlineHandler = Callable[[int, Frame, bool], "Frame | bytearray | None"]
 
 
 class HandlerTable:
-    """op -> async handler(source rank, request) -> response frame. One table per daemon."""
+    """op -> async handler(source rank, request) -> response frame. One table per daemon.
+
+    An op may also have an inline handler (`register_inline`), which the MPI transport runs on
+    its own thread, so a small blob is answered without a hop to trio and back."""
 
     def __init__(self) -> None:
         self._handlers: dict[int, Handler] = {}
+        self._inline: dict[int, InlineHandler] = {}
 
     def register(self, op: int, handler: Handler) -> None:
         if op not in OP_NAMES:
             raise ValueError(f"unknown op {op}")
         self._handlers[op] = handler
+
+    def register_inline(self, op: int, handler: InlineHandler) -> None:
+        if op not in OP_NAMES:
+            raise ValueError(f"unknown op {op}")
+        self._inline[op] = handler
+
+    def is_inline(self, raw: bytes | bytearray | memoryview) -> bool:
+        """Whether this request goes to an inline handler (by its op byte; a malformed frame
+        with that op byte gets its error reply from `dispatch_inline`)."""
+        return len(raw) >= HEADER.size and raw[3] in self._inline
+
+    def dispatch_inline(
+        self, source: int, raw: bytes | bytearray, may_block: bool
+    ) -> bytes | bytearray | None:
+        """The reply of the op's inline handler, or None when it would block (call again with
+        may_block=True off the transport's thread); every failure becomes an error reply."""
+        try:
+            req = decode(raw)
+            resp = self._inline[req.op](source, req, may_block)
+            return None if resp is None else _encode_reply(req, resp)
+        except Exception as e:
+            return _error_reply(raw, e)
 
     async def dispatch(self, source: int, raw: bytes) -> bytes | bytearray:
         """Decode, run the handler, encode the reply; every failure becomes an error reply."""
@@ -144,13 +174,22 @@ class HandlerTable:
             handler = self._handlers.get(req.op)
             if handler is None:
                 raise ProtocolError(f"unknown op {req.op}")
-            resp = await handler(source, req)
-            if isinstance(resp, bytearray):  # pre-built by frame_buffer for this request
-                return bytes(resp) if len(resp) < 4096 else resp
-            resp.req_id = req.req_id
-            resp.op = req.op
-            return resp.encode()
-        except FanstoreError as e:
-            return Frame(0, request_id_of(raw), err=e.errno, body=str(e).encode()[:1024]).encode()
-        except Exception as e:  # a bug in a handler must not kill the daemon
-            return Frame(0, request_id_of(raw), err=errno.EIO, body=repr(e).encode()[:1024]).encode()
+            return _encode_reply(req, await handler(source, req))
+        except Exception as e:
+            return _error_reply(raw, e)
+
+
+def _encode_reply(req: Frame, resp: Frame | bytearray) -> bytes | bytearray:
+    if isinstance(resp, bytearray):  # pre-built by frame_buffer for this request
+        return bytes(resp) if len(resp) < 4096 else resp
+    resp.req_id = req.req_id
+    resp.op = req.op
+    return resp.encode()
+
+
+def _error_reply(raw: bytes | bytearray | memoryview, e: Exception) -> bytes:
+    """A domain error keeps its errno and message; a bug in a handler must not kill the
+    daemon: it becomes EIO."""
+    if isinstance(e, FanstoreError):
+        return Frame(0, request_id_of(raw), err=e.errno, body=str(e).encode()[:1024]).encode()
+    return Frame(0, request_id_of(raw), err=errno.EIO, body=repr(e).encode()[:1024]).encode()

@@ -14,9 +14,10 @@ import itertools
 import logging
 import math
 import os
-import queue
 import threading
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import trio
@@ -38,6 +39,7 @@ log = logging.getLogger("fanstore_fuse.transport")
 
 LONG_IDLE_SLEEP = 0.005  # after about a second without traffic
 MAX_SERVING = 64  # concurrent requests served per daemon
+IO_THREADS = 4  # threads reading the disk for inline requests the page cache cannot answer
 
 
 class RemoteError(FanstoreError):
@@ -113,7 +115,8 @@ class MpiTransport:
         self.requests_in_flight = 0
         self.peak_in_flight = 0
         self.served = 0
-        self._outq: queue.SimpleQueue[tuple[int, int, bytes | bytearray, int]] = queue.SimpleQueue()
+        # append/popleft are thread-safe
+        self._outq: deque[tuple[int, int, bytes | bytearray, int]] = deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._pending: dict[int, _Waiter] = {}
@@ -151,8 +154,15 @@ class MpiTransport:
         finally:
             limiter.release()
 
+    def _serve_blocking(self, source: int, raw: bytearray) -> None:
+        """An inline request that must wait on the disk, in a worker thread (no trio hop)."""
+        reply = self.handlers.dispatch_inline(source, raw, True)
+        assert reply is not None  # may_block: a handler answers or fails, never defers
+        self.served += 1
+        self._post(source, TAG_RESPONSE, reply, 0)
+
     def _post(self, dest: int, tag: int, data: bytes | bytearray, req_id: int) -> None:
-        self._outq.put((dest, tag, data, req_id))
+        self._outq.append((dest, tag, data, req_id))
         self._wake.set()
 
     async def request(self, dest: int, frame: Frame, timeout: float) -> Frame:
@@ -179,14 +189,16 @@ class MpiTransport:
         assert w.data is not None
         return read_reply(dest, frame.op, w.data)
 
-    def _deliver(self, source: int, tag: int, buf: bytearray) -> None:
-        if tag == TAG_REQUEST and self._req_send is not None:
-            self._req_send.send_nowait((source, buf))
-        elif tag == TAG_RESPONSE:
-            w = self._pending.get(request_id_of(buf))
-            if w is not None:
-                w.data = buf
-                w.event.set()
+    def _deliver(self, batch: list[tuple[int, int, bytearray]]) -> None:
+        """Frames the MPI thread received in one wake-up, handed over in one call."""
+        for source, tag, buf in batch:
+            if tag == TAG_REQUEST and self._req_send is not None:
+                self._req_send.send_nowait((source, buf))
+            elif tag == TAG_RESPONSE:
+                w = self._pending.get(request_id_of(buf))
+                if w is not None:
+                    w.data = buf
+                    w.event.set()
 
     def _send_failed(self, req_id: int, message: str) -> None:
         w = self._pending.get(req_id)
@@ -201,42 +213,58 @@ class MpiTransport:
 
         comm = self.comm
         status = MPI.Status()
-        sends: list[Any] = []
-        bufs: list[bytes | bytearray] = []
+        sends: list[Any] = []  # requests of sends not complete when posted (rendezvous)
+        bufs: list[bytes | bytearray] = []  # their buffers, alive until they complete
         token = self._token
         assert token is not None
+        outq, handlers = self._outq, self.handlers
+        any_source, any_tag, byte = MPI.ANY_SOURCE, MPI.ANY_TAG, MPI.BYTE
         spin, max_sleep = self.settings.mpi_spin, self.settings.mpi_max_sleep
         send_poll, reply_poll = self.settings.mpi_send_poll, self.settings.mpi_reply_poll
+        pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="fanstore-mpi-io")
         idle = 0
         while not self._stop.is_set():
             busy = False
-            while True:
-                try:
-                    dest, tag, data, rid = self._outq.get_nowait()
-                except queue.Empty:
-                    break
+            while outq:
+                dest, tag, data, rid = outq.popleft()
                 busy = True
                 try:
-                    sends.append(comm.Isend([data, MPI.BYTE], dest=dest, tag=tag))
-                    bufs.append(data)
+                    req = comm.Isend([data, byte], dest=dest, tag=tag)
                     self.bytes_sent += len(data)
+                    if not req.Test():  # an eager send is complete at once: nothing to track
+                        sends.append(req)
+                        bufs.append(data)
                 except MPI.Exception as e:
                     log.error("send to rank %d failed: %s", dest, e)
                     if rid:
                         token.run_sync_soon(self._send_failed, rid, f"send failed: {e}")
+            batch: list[tuple[int, int, bytearray]] = []
             for _ in range(64):
-                msg = comm.improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+                msg = comm.improbe(any_source, any_tag, status)
                 if msg is None:
                     break
                 busy = True
-                n = status.Get_count(MPI.BYTE)
+                n = status.Get_count(byte)
                 buf = bytearray(n)
-                msg.Recv([buf, MPI.BYTE])
+                msg.Recv([buf, byte])
                 self.bytes_received += n
+                source, tag = status.Get_source(), status.Get_tag()
+                if tag == TAG_REQUEST and handlers.is_inline(buf):
+                    # answered here from the page cache, or by a worker thread that reads the
+                    # disk: either way without a hop to trio and back
+                    reply = handlers.dispatch_inline(source, buf, False)
+                    if reply is None:
+                        pool.submit(self._serve_blocking, source, buf)
+                    else:
+                        self.served += 1
+                        outq.append((source, TAG_RESPONSE, reply, 0))
+                    continue
+                batch.append((source, tag, buf))
+            if batch:
                 try:
-                    token.run_sync_soon(self._deliver, status.Get_source(), status.Get_tag(), buf)
+                    token.run_sync_soon(self._deliver, batch)
                 except trio.RunFinishedError:
-                    return
+                    break
             if sends:
                 done = MPI.Request.Testsome(sends)
                 if done:
@@ -244,7 +272,7 @@ class MpiTransport:
                     for i in sorted(done, reverse=True):
                         del sends[i]
                         del bufs[i]
-            if busy:
+            if busy or outq:
                 idle = 0
                 continue
             if sends:
@@ -267,6 +295,7 @@ class MpiTransport:
                 if self._wake.wait(delay):
                     self._wake.clear()
                     idle = 0
+        pool.shutdown(wait=False, cancel_futures=True)
         # Let queued sends finish briefly so peers get their answers.
         deadline = time.monotonic() + 1.0
         while sends and time.monotonic() < deadline:
@@ -275,4 +304,3 @@ class MpiTransport:
                 del sends[i]
                 del bufs[i]
             time.sleep(0.001)
-

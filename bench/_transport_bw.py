@@ -1,0 +1,193 @@
+"""Remote blob fetches through the daemon's own transport against raw MPI, same ranks, same run.
+
+Run: ``.venv/bin/mpiexec -n 2 .venv/bin/python -m bench._transport_bw DEST [--small N]``
+
+Both ranks compose what a mount daemon composes (`compose` over `MpiTransport` with the
+settings of the environment, the same `Placement(2, 1)`, `BlobStore` over DEST's partitions, no
+FUSE). Rank 0 then fetches through `ClusterBlobSource` (request, the serving rank's handler,
+reply, verify, decode):
+- ``small``: the blobs of at most 4 MiB that only rank 1 holds, one at a time: latency p50/p99
+  and the CPU time (user+sys) of both processes per fetch;
+- ``large``: the 4 MiB blobs that only rank 1 holds, ``--window`` in flight (as the daemon's
+  read-ahead keeps them): MB/s of stored bytes.
+Before the transport starts, in the same ranks: a raw mpi4py stream of messages of the large
+blobs' size (``Isend`` from rank 1, ``Recv`` at rank 0, distinct buffers, one ack at the end) and
+a raw request/reply ping-pong of the small blobs' size, the anchors. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+
+import numpy as np
+import trio
+from mpi4py import rc
+
+rc.thread_level = "multiple"
+from mpi4py import MPI  # noqa: E402
+
+from fanstore_fuse._blobstore import BlobStore  # noqa: E402
+from fanstore_fuse._compose import compose  # noqa: E402
+from fanstore_fuse._format import MANIFEST_NAME, read_manifest  # noqa: E402
+from fanstore_fuse._ring import Placement  # noqa: E402
+from fanstore_fuse._settings import Settings  # noqa: E402
+from fanstore_fuse._transport import MpiTransport  # noqa: E402
+
+
+def cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def raw_stream(comm, size: int, count: int) -> float:
+    """MB/s of `count` messages of `size` bytes, rank 1 -> rank 0, distinct buffers."""
+    rank = comm.Get_rank()
+    big = np.full(size * min(count, 16), rank, dtype=np.uint8)
+    bufs = [big[(i % 16) * size:(i % 16 + 1) * size] for i in range(count)]
+    ack = np.zeros(1, np.uint8)
+    comm.Barrier()
+    t0 = time.perf_counter()
+    if rank == 1:
+        reqs = []
+        for b in bufs:
+            reqs.append(comm.Isend(b, dest=0, tag=7))
+            if len(reqs) >= 4:
+                reqs.pop(0).Wait()
+        MPI.Request.Waitall(reqs)
+        comm.Recv(ack, source=0, tag=8)
+    else:
+        for b in bufs:
+            comm.Recv(b, source=1, tag=7)
+        comm.Send(ack, dest=1, tag=8)
+    dt = time.perf_counter() - t0
+    comm.Barrier()
+    return size * count / dt / 1e6
+
+
+def raw_pingpong(comm, size: int, iters: int) -> float:
+    """Median round trip (us) of a 40-byte request answered with `size` bytes."""
+    rank = comm.Get_rank()
+    req, buf = np.zeros(40, np.uint8), np.zeros(size, np.uint8)
+    out = []
+    comm.Barrier()
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        if rank == 0:
+            comm.Send(req, dest=1, tag=3)
+            comm.Recv(buf, source=1, tag=4)
+        else:
+            comm.Recv(req, source=0, tag=3)
+            comm.Send(buf, dest=0, tag=4)
+        out.append(time.perf_counter() - t0)
+    comm.Barrier()
+    return sorted(out)[len(out) // 2] * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("dest")
+    ap.add_argument("--small", type=int, default=400, help="small blobs fetched one at a time")
+    ap.add_argument("--window", type=int, default=4, help="large blobs in flight")
+    ap.add_argument("--large-max", type=int, default=64, help="most large blobs fetched")
+    a = ap.parse_args()
+    comm = MPI.COMM_WORLD
+    comm.Set_errhandler(MPI.ERRORS_RETURN)
+    rank = comm.Get_rank()
+    assert comm.Get_size() == 2, "run with -n 2"
+    m = read_manifest(os.path.join(a.dest, MANIFEST_NAME))
+    parts, bpart = m.partitions, m.blobs["part"]
+    pl = Placement(2, 1, is_broadcast=lambda b: parts[bpart[b]].broadcast)
+    stored = np.frombuffer(m.blobs["stored"], "<u4")
+    theirs = [b for b in range(m.n_blobs) if pl.holds(1, b) and not pl.holds(0, b)]
+    large = [b for b in theirs if stored[b] >= 1 << 20][: a.large_max]
+    small = [b for b in theirs if stored[b] < 1 << 20][: a.small]
+    out: dict = {"mpi": MPI.Get_library_version().splitlines()[0]}
+    if large:
+        size = int(np.median(stored[large]))
+        out["raw_stream_MB_per_s"] = raw_stream(comm, size, max(16, len(large)))
+        out["raw_message_bytes"] = size
+    if small:
+        out["raw_pingpong_us"] = raw_pingpong(comm, int(np.median(stored[small])), 200)
+    ctl = comm.Dup()
+    store = BlobStore(m, a.dest)
+    settings = Settings.from_env()
+    parts_ = compose(m, store, a.dest, pl, rank, lambda t: MpiTransport(comm, t, settings), None,
+                     settings, warm_metadata=False)
+    transport, source = parts_.transport, parts_.node.source
+
+    async def client() -> None:
+        # warm-up: both page caches hold the blobs (this measures the path, not the disk)
+        for b in small[:20] + large[:2]:
+            await source.fetch(b)
+        await mark("small_start")
+        times = []
+        c0, t_all = cpu(), time.perf_counter()
+        for b in small:
+            t0 = time.perf_counter()
+            await source.fetch(b)
+            times.append(time.perf_counter() - t0)
+        await mark("small_end")
+        if small:
+            s = sorted(times)
+            out["small"] = {"blobs": len(s), "bytes": int(np.median(stored[small])),
+                            "p50_us": s[len(s) // 2] * 1e6, "p99_us": s[int(len(s) * .99)] * 1e6,
+                            "client_cpu_us": (cpu() - c0) / len(s) * 1e6,
+                            "per_s": len(s) / (time.perf_counter() - t_all)}
+        if large:
+            send, recv = trio.open_memory_channel[int](0)
+            nbytes = 0
+
+            async def worker() -> None:
+                nonlocal nbytes
+                async for b in recv:
+                    nbytes += len(await source.fetch(b))
+
+            t0 = time.perf_counter()
+            async with trio.open_nursery() as n:
+                for _ in range(a.window):
+                    n.start_soon(worker)
+                async with send:
+                    for b in large:
+                        await send.send(b)
+            dt = time.perf_counter() - t0
+            out["large"] = {"blobs": len(large), "window": a.window, "MB_per_s": nbytes / dt / 1e6}
+        await mark("done")
+
+    async def mark(name: str) -> None:
+        ctl.send(name, dest=1, tag=9)
+        await trio.sleep(0.02)  # the server notes its CPU time (it polls every 5 ms)
+
+    marks: dict[str, float] = {}
+
+    async def server() -> None:
+        # phase marks from rank 0 on a duplicate communicator (the MPI thread never sees them)
+        while "done" not in marks:
+            while ctl.Iprobe(source=0, tag=9):
+                marks[ctl.recv(source=0, tag=9)] = cpu()
+            await trio.sleep(0.005)
+
+    async def run() -> None:
+        async with trio.open_nursery() as n:
+            n.start_soon(transport.run)
+            await (client() if rank == 0 else server())
+            n.cancel_scope.cancel()
+
+    trio.run(run)
+    if rank == 1:
+        ctl.send(marks, dest=0, tag=10)
+    else:
+        marks = ctl.recv(source=1, tag=10)
+        if "small" in out:
+            out["small"]["server_cpu_us"] = (marks["small_end"] - marks["small_start"]) / len(small) * 1e6
+            out["small"]["cpu_us"] = out["small"]["server_cpu_us"] + out["small"]["client_cpu_us"]
+        print(json.dumps(out), flush=True)
+    parts_.close()
+    store.close()
+
+
+if __name__ == "__main__":
+    main()
