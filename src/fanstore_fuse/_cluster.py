@@ -226,7 +226,7 @@ def serve_handlers(
     async def ping(src: int, req: Frame) -> Frame:
         return Frame(req.op, req.req_id, rank)
 
-    def fetch_blob_now(src: int, req: Frame, may_block: bool) -> bytearray | None:
+    def fetch_blob_now(src: int, req: Frame, may_block: bool) -> bytearray | memoryview | None:
         """The reply frame, stored bytes read straight into it; None if `may_block` is false
         and the page cache lacks them. Runs on the MPI thread first (no trio hop), then, when
         the disk must be read, in a worker thread of the transport."""
@@ -239,7 +239,7 @@ def serve_handlers(
         node.stats.extra["served_blobs"] = node.stats.extra.get("served_blobs", 0) + 1
         return buf
 
-    async def fetch_blob(src: int, req: Frame) -> Frame | bytearray:
+    async def fetch_blob(src: int, req: Frame) -> Frame | bytearray | memoryview:
         resp = fetch_blob_now(src, req, False)
         if resp is None:
             resp = await trio.to_thread.run_sync(fetch_blob_now, src, req, True)

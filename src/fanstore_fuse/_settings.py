@@ -10,6 +10,7 @@
 | `FANSTORE_MPI_SEND_POLL` | 2e-05 | sleep (s) between progress polls while sends are pending |
 | `FANSTORE_NOFLUSH` | 1 | writable mount: open read-only files with FOPEN_NOFLUSH (0: flush every close) |
 | `FANSTORE_MPI_REPLY_POLL` | 2e-05 | sleep (s) between polls while replies are due (0: back off) |
+| `FANSTORE_MPI_INLINE` | 1 | serve blob requests on the MPI thread (0: as trio tasks, the old path) |
 
 The daemon builds one `Settings` (`Settings.from_env()`) and hands it to what it composes;
 library code never reads the environment for these. A bad value is a one-line error.
@@ -32,6 +33,7 @@ _ENV = {
     "mpi_send_poll": "FANSTORE_MPI_SEND_POLL",
     "mpi_reply_poll": "FANSTORE_MPI_REPLY_POLL",
     "noflush": "FANSTORE_NOFLUSH",
+    "mpi_inline": "FANSTORE_MPI_INLINE",
 }
 
 
@@ -45,6 +47,7 @@ class Settings:
     mpi_send_poll: float = 20e-6
     mpi_reply_poll: float = 20e-6
     noflush: int = 1
+    mpi_inline: int = 1
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

@@ -30,6 +30,8 @@ from ._messages import (
     Frame,
     HandlerTable,
     ProtocolError,
+    Wire,
+    alloc,
     decode,
     request_id_of,
 )
@@ -50,7 +52,7 @@ class RemoteError(FanstoreError):
         self.errno = code
 
 
-def read_reply(dest: int, op: int, raw: bytes | bytearray) -> Frame:
+def read_reply(dest: int, op: int, raw: Wire) -> Frame:
     """The answer of rank `dest` to a request `op`: PeerError if it does not decode,
     RemoteError (with the peer's errno and message) if it is an error reply."""
     opname = OP_NAMES.get(op, str(op))
@@ -69,7 +71,7 @@ class _Waiter:
 
     def __init__(self) -> None:
         self.event = trio.Event()
-        self.data: bytearray | None = None
+        self.data: Wire | None = None
         self.error: str | None = None
 
 
@@ -116,13 +118,13 @@ class MpiTransport:
         self.peak_in_flight = 0
         self.served = 0
         # append/popleft are thread-safe
-        self._outq: deque[tuple[int, int, bytes | bytearray, int]] = deque()
+        self._outq: deque[tuple[int, int, Wire, int]] = deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._pending: dict[int, _Waiter] = {}
         self._ids = itertools.count(1)
         self._token: trio.lowlevel.TrioToken | None = None
-        self._req_send: trio.MemorySendChannel[tuple[int, bytearray]] | None = None
+        self._req_send: trio.MemorySendChannel[tuple[int, Wire]] | None = None
         self._ready = trio.Event()
 
     # ------------------------------------------------------------ trio side
@@ -130,7 +132,7 @@ class MpiTransport:
     async def run(self) -> None:
         """Start the MPI thread and serve incoming requests until cancelled."""
         self._token = trio.lowlevel.current_trio_token()
-        send, recv = trio.open_memory_channel[tuple[int, bytearray]](math.inf)
+        send, recv = trio.open_memory_channel[tuple[int, Wire]](math.inf)
         self._req_send = send
         thread = threading.Thread(target=self._mpi_loop, name="fanstore-mpi", daemon=True)
         thread.start()
@@ -146,7 +148,7 @@ class MpiTransport:
             self._wake.set()
             await trio.to_thread.run_sync(thread.join)
 
-    async def _serve_one(self, source: int, raw: bytearray, limiter: trio.Semaphore) -> None:
+    async def _serve_one(self, source: int, raw: Wire, limiter: trio.Semaphore) -> None:
         try:
             reply = await self.handlers.dispatch(source, bytes(raw))
             self.served += 1
@@ -154,14 +156,14 @@ class MpiTransport:
         finally:
             limiter.release()
 
-    def _serve_blocking(self, source: int, raw: bytearray) -> None:
+    def _serve_blocking(self, source: int, raw: Wire) -> None:
         """An inline request that must wait on the disk, in a worker thread (no trio hop)."""
         reply = self.handlers.dispatch_inline(source, raw, True)
         assert reply is not None  # may_block: a handler answers or fails, never defers
         self.served += 1
         self._post(source, TAG_RESPONSE, reply, 0)
 
-    def _post(self, dest: int, tag: int, data: bytes | bytearray, req_id: int) -> None:
+    def _post(self, dest: int, tag: int, data: Wire, req_id: int) -> None:
         self._outq.append((dest, tag, data, req_id))
         self._wake.set()
 
@@ -189,7 +191,7 @@ class MpiTransport:
         assert w.data is not None
         return read_reply(dest, frame.op, w.data)
 
-    def _deliver(self, batch: list[tuple[int, int, bytearray]]) -> None:
+    def _deliver(self, batch: list[tuple[int, int, Wire]]) -> None:
         """Frames the MPI thread received in one wake-up, handed over in one call."""
         for source, tag, buf in batch:
             if tag == TAG_REQUEST and self._req_send is not None:
@@ -214,10 +216,11 @@ class MpiTransport:
         comm = self.comm
         status = MPI.Status()
         sends: list[Any] = []  # requests of sends not complete when posted (rendezvous)
-        bufs: list[bytes | bytearray] = []  # their buffers, alive until they complete
+        bufs: list[Wire] = []  # their buffers, alive until they complete
         token = self._token
         assert token is not None
         outq, handlers = self._outq, self.handlers
+        inline = bool(self.settings.mpi_inline)
         any_source, any_tag, byte = MPI.ANY_SOURCE, MPI.ANY_TAG, MPI.BYTE
         spin, max_sleep = self.settings.mpi_spin, self.settings.mpi_max_sleep
         send_poll, reply_poll = self.settings.mpi_send_poll, self.settings.mpi_reply_poll
@@ -238,18 +241,18 @@ class MpiTransport:
                     log.error("send to rank %d failed: %s", dest, e)
                     if rid:
                         token.run_sync_soon(self._send_failed, rid, f"send failed: {e}")
-            batch: list[tuple[int, int, bytearray]] = []
+            batch: list[tuple[int, int, Wire]] = []
             for _ in range(64):
                 msg = comm.improbe(any_source, any_tag, status)
                 if msg is None:
                     break
                 busy = True
                 n = status.Get_count(byte)
-                buf = bytearray(n)
+                buf = alloc(n)
                 msg.Recv([buf, byte])
                 self.bytes_received += n
                 source, tag = status.Get_source(), status.Get_tag()
-                if tag == TAG_REQUEST and handlers.is_inline(buf):
+                if inline and tag == TAG_REQUEST and handlers.is_inline(buf):
                     # answered here from the page cache, or by a worker thread that reads the
                     # disk: either way without a hop to trio and back
                     reply = handlers.dispatch_inline(source, buf, False)
