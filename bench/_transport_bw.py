@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import resource
+import threading
 import time
 
 import numpy as np
@@ -41,6 +42,23 @@ from fanstore_fuse._transport import MpiTransport  # noqa: E402
 def cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds (user+sys) of this process's threads, summed by thread name."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                name, rest = f.read().rsplit(")", 1)
+        except OSError:
+            continue
+        fields = rest.split()
+        key = names.get(int(tid), "other").split("_")[0].split(" ")[0]
+        out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def raw_stream(comm, size: int, count: int) -> float:
@@ -119,17 +137,21 @@ def main() -> None:
                      settings, warm_metadata=False)
     transport, source = parts_.transport, parts_.node.source
 
+    client_threads: list[dict[str, float]] = []
+
     async def client() -> None:
         # warm-up: both page caches hold the blobs (this measures the path, not the disk)
         for b in small[:20] + large[:2]:
             await source.fetch(b)
         await mark("small_start")
+        client_threads.append({**thread_cpu(), "polls": transport.polls})
         times = []
         c0, t_all = cpu(), time.perf_counter()
         for b in small:
             t0 = time.perf_counter()
             await source.fetch(b)
             times.append(time.perf_counter() - t0)
+        client_threads.append({**thread_cpu(), "polls": transport.polls})
         await mark("small_end")
         if small:
             s = sorted(times)
@@ -159,16 +181,20 @@ def main() -> None:
 
     async def mark(name: str) -> None:
         ctl.send(name, dest=1, tag=9)
-        await trio.sleep(0.02)  # the server notes its CPU time (it polls every 5 ms)
+        await trio.sleep(0.1)  # the server notes its CPU time (it polls every 50 ms)
 
     marks: dict[str, float] = {}
+    threads: dict[str, dict[str, float]] = {}
 
     async def server() -> None:
         # phase marks from rank 0 on a duplicate communicator (the MPI thread never sees them)
         while "done" not in marks:
             while ctl.Iprobe(source=0, tag=9):
-                marks[ctl.recv(source=0, tag=9)] = cpu()
-            await trio.sleep(0.005)
+                name = ctl.recv(source=0, tag=9)
+                marks[name] = cpu()
+                threads[name] = thread_cpu()
+                threads[name]["polls"] = transport.polls
+            await trio.sleep(0.05)
 
     async def run() -> None:
         async with trio.open_nursery() as n:
@@ -178,12 +204,17 @@ def main() -> None:
 
     trio.run(run)
     if rank == 1:
-        ctl.send(marks, dest=0, tag=10)
+        ctl.send((marks, threads), dest=0, tag=10)
     else:
-        marks = ctl.recv(source=1, tag=10)
+        marks, threads = ctl.recv(source=1, tag=10)
         if "small" in out:
             out["small"]["server_cpu_us"] = (marks["small_end"] - marks["small_start"]) / len(small) * 1e6
             out["small"]["cpu_us"] = out["small"]["server_cpu_us"] + out["small"]["client_cpu_us"]
+            for side, (t0, t1) in (("client", client_threads), ("server", (threads["small_start"],
+                                                                        threads["small_end"]))):
+                out["small"][f"{side}_threads_us"] = {k: round((t1.get(k, 0) - v) / len(small) * 1e6)
+                                                      for k, v in t0.items() if k != "polls"}
+                out["small"][f"{side}_polls"] = (t1["polls"] - t0["polls"]) / len(small)
         print(json.dumps(out), flush=True)
     parts_.close()
     store.close()

@@ -155,7 +155,8 @@ def run_large(work: Path, src: Path, rounds: int) -> dict:
     `bench._transport_bw` (raw mpi4py stream of 4 MiB messages, then the daemon's transport
     fetching the same blobs), and a 2-rank mount read through rank 0, chunks held by rank 1
     only: cold (drop_caches: the server reads its disk), then with the server's page cache
-    warm (the client's dropped by fadvise, its blob cache 1 MiB: every chunk travels)."""
+    warm (the client's dropped by fadvise; its blob cache of 8 chunks holds none of them when
+    they are read again: every chunk travels)."""
     lsrc, ldest = work / "src-large", work / "dest-large"
     rel = make_large(lsrc)
     cmd, cenv, _ = cli_command()
@@ -183,7 +184,8 @@ def run_large(work: Path, src: Path, rounds: int) -> dict:
         out["transport_ratio_runs"] = [round(d["large"]["MB_per_s"] / d["raw_stream_MB_per_s"], 3)
                                        for d in runs]
     chunks = remote_chunks(ldest, rel)
-    fan = Fan(work, ldest, "l2", 2, ["--read-only"], {"FANSTORE_CACHE_BYTES": "1048576"})
+    # a blob cache of 8 chunks: one smaller than a chunk would fetch the chunk again per 128 KiB read
+    fan = Fan(work, ldest, "l2", 2, ["--read-only"], {"FANSTORE_CACHE_BYTES": str(32 << 20)})
     try:
         path = os.path.join(fan.mps[0], rel)
         drop_caches()

@@ -5,11 +5,12 @@
 | `FANSTORE_CACHE_BYTES` | 268435456 (256 MiB) | bytes of decoded blobs a daemon keeps (`BlobCache`) |
 | `FANSTORE_THREAD_THRESHOLD` | 262144 (256 KiB) | blobs from this size on are decoded in a worker thread |
 | `FANSTORE_READAHEAD_CHUNKS` | 4 | chunks fetched ahead of a sequential reader |
-| `FANSTORE_MPI_SPIN` | 20 | `sleep(0)` polls of the MPI thread before it backs off |
-| `FANSTORE_MPI_MAX_SLEEP` | 0.001 | longest idle sleep (s) of the MPI thread while recently busy |
-| `FANSTORE_MPI_SEND_POLL` | 2e-05 | sleep (s) between progress polls while sends are pending |
+| `FANSTORE_MPI_SPIN` | 0 | `sleep(0)` polls of the MPI thread before it backs off |
+| `FANSTORE_MPI_MAX_SLEEP` | 0.001 | longest poll interval (s) of the MPI thread while recently busy |
+| `FANSTORE_MPI_SEND_POLL` | 2e-05 | first poll interval (s) while a send is pending |
 | `FANSTORE_NOFLUSH` | 1 | writable mount: open read-only files with FOPEN_NOFLUSH (0: flush every close) |
-| `FANSTORE_MPI_REPLY_POLL` | 2e-05 | sleep (s) between polls while replies are due (0: back off) |
+| `FANSTORE_MPI_REPLY_POLL` | 2e-05 | first poll interval (s) while replies are due (0: idle backoff) |
+| `FANSTORE_MPI_BACKOFF` | 2.0 | growth of the MPI thread's poll interval while nothing arrives (1: fixed) |
 | `FANSTORE_MPI_INLINE` | 1 | serve blob requests on the MPI thread (0: as trio tasks, the old path) |
 
 The daemon builds one `Settings` (`Settings.from_env()`) and hands it to what it composes;
@@ -34,6 +35,7 @@ _ENV = {
     "mpi_reply_poll": "FANSTORE_MPI_REPLY_POLL",
     "noflush": "FANSTORE_NOFLUSH",
     "mpi_inline": "FANSTORE_MPI_INLINE",
+    "mpi_backoff": "FANSTORE_MPI_BACKOFF",
 }
 
 
@@ -42,12 +44,13 @@ class Settings:
     cache_bytes: int = 256 << 20
     thread_threshold: int = 256 << 10
     readahead_chunks: int = 4
-    mpi_spin: int = 20
+    mpi_spin: int = 0
     mpi_max_sleep: float = 0.001
     mpi_send_poll: float = 20e-6
     mpi_reply_poll: float = 20e-6
     noflush: int = 1
     mpi_inline: int = 1
+    mpi_backoff: float = 2.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

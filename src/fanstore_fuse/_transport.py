@@ -1,11 +1,16 @@
 """MPI point-to-point transport: one thread owns every MPI call, bridged to trio.
 
-The MPI thread posts `Isend`s from an outgoing queue, matches incoming messages with
-`improbe` + `Message.Recv`, completes sends with `Testsome`, and backs off (sleep(0), then
-sleeps growing to ~1 ms) when idle so an idle daemon does not spin a core. A request posted by
-trio sets an event that ends the sleep at once; while replies are awaited it polls every ~20 us.
-Received frames are handed to trio with `TrioToken.run_sync_soon`; trio tasks serve requests concurrently and
-wait for responses with a timeout.
+The MPI thread posts `Isend`s from an outgoing queue (an eager send is complete at once and
+not tracked), matches incoming messages with `improbe` + `Message.Recv`, completes rendezvous
+sends with `Testsome`, and polls with intervals that grow (x `FANSTORE_MPI_BACKOFF`) from
+~20 us to ~1 ms while nothing arrives, 5 ms after a second idle, so an idle daemon does not
+spin a core; MPI offers nothing to block on. A frame posted by trio sets an event that ends
+the wait at once.
+
+Blob requests are answered on the MPI thread itself when the page cache holds the blob, or by
+one of its disk threads (`HandlerTable.register_inline`): no hop to trio and back. Every other
+frame received in one wake-up goes to trio in one `TrioToken.run_sync_soon` call; trio tasks
+serve those requests concurrently and wait for responses with a timeout.
 """
 
 from __future__ import annotations
@@ -117,6 +122,9 @@ class MpiTransport:
         self.requests_in_flight = 0
         self.peak_in_flight = 0
         self.served = 0
+        self.served_inline = 0  # answered on the MPI thread (page cache)
+        self.served_by_io = 0  # answered by a disk thread of the transport
+        self.polls = 0  # iterations of the MPI thread's loop
         # append/popleft are thread-safe
         self._outq: deque[tuple[int, int, Wire, int]] = deque()
         self._wake = threading.Event()
@@ -161,6 +169,7 @@ class MpiTransport:
         reply = self.handlers.dispatch_inline(source, raw, True)
         assert reply is not None  # may_block: a handler answers or fails, never defers
         self.served += 1
+        self.served_by_io += 1
         self._post(source, TAG_RESPONSE, reply, 0)
 
     def _post(self, dest: int, tag: int, data: Wire, req_id: int) -> None:
@@ -225,8 +234,10 @@ class MpiTransport:
         spin, max_sleep = self.settings.mpi_spin, self.settings.mpi_max_sleep
         send_poll, reply_poll = self.settings.mpi_send_poll, self.settings.mpi_reply_poll
         pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="fanstore-mpi-io")
-        idle = 0
+        growth = self.settings.mpi_backoff
+        idle, due, delay = 0, 0.0, 0.0
         while not self._stop.is_set():
+            self.polls += 1
             busy = False
             while outq:
                 dest, tag, data, rid = outq.popleft()
@@ -260,6 +271,7 @@ class MpiTransport:
                         pool.submit(self._serve_blocking, source, buf)
                     else:
                         self.served += 1
+                        self.served_inline += 1
                         outq.append((source, TAG_RESPONSE, reply, 0))
                     continue
                 batch.append((source, tag, buf))
@@ -276,28 +288,27 @@ class MpiTransport:
                         del sends[i]
                         del bufs[i]
             if busy or outq:
-                idle = 0
+                idle, due, delay = 0, 0.0, 0.0
                 continue
-            if sends:
-                # A large send moves only while this thread drives progress: keep polling,
-                # without starving the trio thread of the GIL.
-                time.sleep(send_poll)
-                continue
-            if reply_poll and self._pending:
-                # A reply is due: it cannot set an event, so poll briefly instead of letting
-                # the backoff's growing sleeps add up to a millisecond to the round trip.
-                time.sleep(reply_poll)
+            if sends or (reply_poll and self._pending):
+                # A send must progress (rendezvous) or a reply is due, neither of which can set
+                # an event: poll, the interval growing from the knob's value to max_sleep (a
+                # 110 KB reply is polled ~6 times in a 3 ms round trip, not ~40 times); a new
+                # post from trio ends the wait at once.
+                due = min(max_sleep, due * growth) if due else (send_poll if sends else reply_poll)
+                if self._wake.wait(due):
+                    self._wake.clear()
                 continue
             idle += 1
             if idle < spin:
                 time.sleep(0)
-            else:
-                delay = min(max_sleep, 20e-6 * (idle - spin + 1))
-                if idle > spin + 1000:
-                    delay = LONG_IDLE_SLEEP
-                if self._wake.wait(delay):
-                    self._wake.clear()
-                    idle = 0
+                continue
+            delay = min(max_sleep, delay * growth) if delay else 20e-6
+            if idle > spin + 1000:
+                delay = LONG_IDLE_SLEEP
+            if self._wake.wait(delay):
+                self._wake.clear()
+                idle, delay = 0, 0.0
         pool.shutdown(wait=False, cancel_futures=True)
         # Let queued sends finish briefly so peers get their answers.
         deadline = time.monotonic() + 1.0

@@ -1,0 +1,123 @@
+"""Run under `mpiexec -n 2`: rank 0 asks rank 1 for blobs through the real `MpiTransport`.
+
+    mpiexec -n 2 python tests/_transport_ranks.py DEST OUT_DIR
+
+Both ranks compose what a daemon composes (no FUSE), over DEST's partitions. Rank 1 first
+drops its page cache of the partitions (so the first requests go to the transport's disk
+threads). Rank 0 fetches every blob rank 1 holds (stored bytes and decoded bytes are compared
+with its own reads of DEST, byte for byte), then asks for a blob rank 1 does not hold, an id
+past the end, and sends a frame of an unknown version with the blob op: each must come back
+as an error reply. Each rank writes OUT_DIR/rank{N}.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import trio
+from mpi4py import rc
+
+rc.thread_level = "multiple"
+from mpi4py import MPI  # noqa: E402
+
+from fanstore_fuse._blobstore import BlobStore  # noqa: E402
+from fanstore_fuse._compose import compose  # noqa: E402
+from fanstore_fuse._format import MANIFEST_NAME, read_manifest  # noqa: E402
+from fanstore_fuse._messages import (  # noqa: E402
+    HEADER,
+    MAGIC,
+    OP_FETCH_BLOB,
+    TAG_REQUEST,
+    Frame,
+)
+from fanstore_fuse._ring import Placement  # noqa: E402
+from fanstore_fuse._settings import Settings  # noqa: E402
+from fanstore_fuse._transport import MpiTransport, RemoteError, _Waiter, read_reply  # noqa: E402
+
+
+def main() -> None:
+    dest, out_dir = sys.argv[1], sys.argv[2]
+    comm = MPI.COMM_WORLD
+    comm.Set_errhandler(MPI.ERRORS_RETURN)
+    rank = comm.Get_rank()
+    ctl = comm.Dup()  # "done" travels here, out of the transport's sight
+    m = read_manifest(os.path.join(dest, MANIFEST_NAME))
+    parts, bpart = m.partitions, m.blobs["part"]
+    pl = Placement(2, 1, is_broadcast=lambda b: parts[bpart[b]].broadcast)
+    store = BlobStore(m, dest)
+    settings = Settings.from_env()
+    p = compose(m, store, dest, pl, rank, lambda t: MpiTransport(comm, t, settings), None,
+                settings, warm_metadata=False)
+    t = p.transport
+    assert isinstance(t, MpiTransport)
+    res: dict = {"rank": rank}
+    if rank == 1:
+        for part in parts:
+            fd = os.open(os.path.join(dest, part.name), os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+    comm.Barrier()
+
+    async def errno_of(coro) -> int:
+        try:
+            await coro
+        except RemoteError as e:
+            return e.errno
+        return 0
+
+    async def raw_request(raw: bytes, rid: int) -> int:
+        w = _Waiter()
+        t._pending[rid] = w
+        t._post(1, TAG_REQUEST, raw, rid)
+        with trio.fail_after(10):
+            await w.event.wait()
+        assert w.data is not None
+        try:
+            read_reply(1, OP_FETCH_BLOB, w.data)
+        except RemoteError as e:
+            return e.errno
+        return 0
+
+    async def client() -> None:
+        theirs = [b for b in range(m.n_blobs) if pl.holds(1, b) and not pl.holds(0, b)]
+        mine = [b for b in range(m.n_blobs) if not pl.holds(1, b)]
+        bad = []
+        for b in theirs:
+            resp = await t.request(1, Frame(OP_FETCH_BLOB, 0, b), 10)
+            if bytes(resp.body) != store.stored(b):
+                bad.append(b)
+            if await p.node.source.fetch(b) != store.raw(b):
+                bad.append(b)
+        res.update(fetched=len(theirs), mismatched=bad, stats=p.node.stats.as_dict())
+        res["not_held"] = await errno_of(t.request(1, Frame(OP_FETCH_BLOB, 0, mine[0]), 10)) if mine else -1
+        res["past_end"] = await errno_of(t.request(1, Frame(OP_FETCH_BLOB, 0, m.n_blobs + 5), 10))
+        rid = 1 << 40
+        raw = HEADER.pack(MAGIC, 99, OP_FETCH_BLOB, 0, rid, theirs[0], 0)
+        res["bad_version"] = await raw_request(raw, rid)
+        short = HEADER.pack(MAGIC, 1, OP_FETCH_BLOB, 0, rid + 1, theirs[0], 7)  # body missing
+        res["bad_length"] = await raw_request(short, rid + 1)
+        ctl.send("done", dest=1, tag=9)
+
+    async def server() -> None:
+        while not ctl.Iprobe(source=0, tag=9):
+            await trio.sleep(0.01)
+        ctl.recv(source=0, tag=9)
+
+    async def run() -> None:
+        async with trio.open_nursery() as n:
+            n.start_soon(t.run)
+            await (client() if rank == 0 else server())
+            n.cancel_scope.cancel()
+
+    trio.run(run)
+    res.update(served=t.served, served_inline=t.served_inline, served_by_io=t.served_by_io)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    p.close()
+    store.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""The MPI transport between two real ranks (`mpiexec -n 2` of the wheel), without FUSE:
+blobs served on the MPI thread (page cache) and by its disk threads, byte for byte; bad ids
+and malformed frames sent to the inline path come back as error replies."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _harness import prep_cli
+
+pytestmark = [pytest.mark.mpi]
+
+HERE = Path(__file__).parent
+
+
+def _run(dest: Path, out: Path, env: dict[str, str]) -> list[dict]:
+    out.mkdir()
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    p = subprocess.run([str(mpiexec), "-n", "2", sys.executable, str(HERE / "_transport_ranks.py"),
+                        str(dest), str(out)], env={**os.environ, **env}, capture_output=True,
+                       text=True, timeout=150)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("inline", ["1", "0"])
+def test_blobs_through_mpi_ranks_and_error_replies(src_tree, tmp_path, inline):
+    dest = prep_cli(src_tree, tmp_path / "dest", "--chunk-mib", "1", "-p", "3")
+    client, server = _run(dest, tmp_path / "out", {"FANSTORE_MPI_INLINE": inline})
+    assert client["fetched"] > 5
+    assert client["mismatched"] == []
+    assert client["stats"]["remote_reads"] == client["fetched"]
+    assert client["not_held"] == errno.ENOENT
+    assert client["past_end"] == errno.ENOENT
+    assert client["bad_version"] == errno.EPROTO
+    assert client["bad_length"] == errno.EPROTO
+    # each fetched blob was asked for twice (stored bytes, then decoded), plus 4 bad requests
+    assert server["served"] == 2 * client["fetched"] + 4
+    if inline == "1":
+        # the page cache was dropped first: the first requests went to the disk threads, the
+        # repeated ones were answered on the MPI thread itself; none went through trio
+        assert server["served_by_io"] > 0
+        assert server["served_inline"] > 0
+        assert server["served_inline"] + server["served_by_io"] == server["served"]
+    else:
+        assert server["served_inline"] == server["served_by_io"] == 0
