@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="/tmp/fanstore-bench-cost")
     ap.add_argument("--json", default=str(REPO / "bench" / "out" / "cost.json"))
     ap.add_argument("--ab", action="append", default=[], metavar="KEY=VALUE",
-                    help="also measure remote reads with this daemon environment (repeatable)")
+                    help="also measure remote reads with this daemon environment, K=V[,K2=V2] (repeatable)")
     ap.add_argument("--no-squashfuse", action="store_true")
     ap.add_argument("--no-large", action="store_true", help="skip remote large reads vs raw MPI")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved warm passes per mount")
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
                 fan.close()
         remote = remote_to_rank0(dest, rels)
         log(f"{len(remote)} of {len(rels)} files are held by rank 1 only")
-        envs = [{}] + [dict([kv.split("=", 1)]) for kv in args.ab]
+        envs = [{}] + [dict(kv.split("=", 1) for kv in ab.split(",")) for ab in args.ab]
         res["remote_cold"], *res["remote_ab"] = run_remote(work, dest, remote, envs, args.rounds,
                                                            args.profile)
         log(f"2 ranks, remote only: {res['remote_cold']}")

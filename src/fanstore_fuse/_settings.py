@@ -11,6 +11,7 @@
 | `FANSTORE_NOFLUSH` | 1 | writable mount: open read-only files with FOPEN_NOFLUSH (0: flush every close) |
 | `FANSTORE_MPI_REPLY_POLL` | 2e-05 | first poll interval (s) while replies are due (0: idle backoff) |
 | `FANSTORE_MPI_BACKOFF` | 2.0 | growth of the MPI thread's poll interval while nothing arrives (1: fixed) |
+| `FANSTORE_MPI_DOORBELL` | 1 | a UDP doorbell rung with each frame sent wakes the peer (0: poll only) |
 | `FANSTORE_MPI_INLINE` | 1 | serve blob requests on the MPI thread (0: as trio tasks, the old path) |
 
 The daemon builds one `Settings` (`Settings.from_env()`) and hands it to what it composes;
@@ -36,6 +37,7 @@ _ENV = {
     "noflush": "FANSTORE_NOFLUSH",
     "mpi_inline": "FANSTORE_MPI_INLINE",
     "mpi_backoff": "FANSTORE_MPI_BACKOFF",
+    "mpi_doorbell": "FANSTORE_MPI_DOORBELL",
 }
 
 
@@ -51,6 +53,7 @@ class Settings:
     noflush: int = 1
     mpi_inline: int = 1
     mpi_backoff: float = 2.0
+    mpi_doorbell: int = 1
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import trio
 
+from ._doorbell import Doorbell
 from ._errors import FanstoreError, PeerError
 from ._messages import (
     OP_NAMES,
@@ -125,6 +126,8 @@ class MpiTransport:
         self.served_inline = 0  # answered on the MPI thread (page cache)
         self.served_by_io = 0  # answered by a disk thread of the transport
         self.polls = 0  # iterations of the MPI thread's loop
+        self.bell_wakes = 0  # waits a doorbell (or trio) ended
+        self._bell = Doorbell() if settings.mpi_doorbell and self.size > 1 else None
         # append/popleft are thread-safe
         self._outq: deque[tuple[int, int, Wire, int]] = deque()
         self._wake = threading.Event()
@@ -154,7 +157,11 @@ class MpiTransport:
         finally:
             self._stop.set()
             self._wake.set()
+            if self._bell is not None:
+                self._bell.wake()
             await trio.to_thread.run_sync(thread.join)
+            if self._bell is not None:
+                self._bell.close()
 
     async def _serve_one(self, source: int, raw: Wire, limiter: trio.Semaphore) -> None:
         try:
@@ -174,7 +181,16 @@ class MpiTransport:
 
     def _post(self, dest: int, tag: int, data: Wire, req_id: int) -> None:
         self._outq.append((dest, tag, data, req_id))
-        self._wake.set()
+        self._notify()
+
+    def _notify(self) -> None:
+        """Wake the MPI thread (it checks the queue again before every wait)."""
+        bell = self._bell
+        if bell is not None:
+            if bell.sleeping:
+                bell.wake()
+        else:
+            self._wake.set()
 
     async def request(self, dest: int, frame: Frame, timeout: float) -> Frame:
         """Send `frame` to rank `dest` and wait for its answer (PeerError on timeout)."""
@@ -236,6 +252,11 @@ class MpiTransport:
         pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="fanstore-mpi-io")
         growth = self.settings.mpi_backoff
         idle, due, delay = 0, 0.0, 0.0
+        bell = self._bell
+        if bell is not None:
+            bell.start(comm, byte)
+        chase = False  # woken by a bell: the frame may still be on its way
+        unannounced = 0
         while not self._stop.is_set():
             self.polls += 1
             busy = False
@@ -245,6 +266,8 @@ class MpiTransport:
                 try:
                     req = comm.Isend([data, byte], dest=dest, tag=tag)
                     self.bytes_sent += len(data)
+                    if bell is not None:
+                        bell.ring(dest)
                     if not req.Test():  # an eager send is complete at once: nothing to track
                         sends.append(req)
                         bufs.append(data)
@@ -288,13 +311,30 @@ class MpiTransport:
                         del sends[i]
                         del bufs[i]
             if busy or outq:
-                idle, due, delay = 0, 0.0, 0.0
+                if busy and bell is not None and not chase and idle:
+                    unannounced += 1  # found by a timed-out wait, not a bell
+                idle, due, delay, chase = 0, 0.0, 0.0, False
+                continue
+            if bell is not None and bell.ready() and unannounced < 200 + 10 * self.bell_wakes:
+                # Bells announce frames: sleep until one rings; poll only for a rendezvous
+                # send, or briefly after a bell for a frame still on its way.
+                if sends or chase:
+                    due = min(max_sleep, due * growth) if due else (send_poll if sends else reply_poll)
+                    chase = chase and due < max_sleep
+                    timeout = due
+                else:
+                    timeout = max_sleep if self._pending else LONG_IDLE_SLEEP
+                idle += 1
+                bell.sleeping = True
+                if not outq and bell.wait(timeout):
+                    self.bell_wakes += 1
+                    chase, due = True, 0.0
+                bell.sleeping = False
                 continue
             if sends or (reply_poll and self._pending):
                 # A send must progress (rendezvous) or a reply is due, neither of which can set
-                # an event: poll, the interval growing from the knob's value to max_sleep (a
-                # 110 KB reply is polled ~6 times in a 3 ms round trip, not ~40 times); a new
-                # post from trio ends the wait at once.
+                # an event: poll, the interval growing from the knob's value to max_sleep; a
+                # new post from trio ends the wait at once.
                 due = min(max_sleep, due * growth) if due else (send_poll if sends else reply_poll)
                 if self._wake.wait(due):
                     self._wake.clear()
