@@ -112,7 +112,8 @@ def main() -> None:
             n.cancel_scope.cancel()
 
     trio.run(run)
-    res.update(served=t.served, served_inline=t.served_inline, served_by_io=t.served_by_io)
+    res.update(served=t.served, served_inline=t.served_inline, served_by_io=t.served_by_io,
+               bell_wakes=t.bell_wakes, polls=t.polls)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
     p.close()

@@ -32,8 +32,10 @@ def _run(dest: Path, out: Path, env: dict[str, str]) -> list[dict]:
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("inline", ["1", "0"])
 def test_blobs_through_mpi_ranks_and_error_replies(src_tree, tmp_path, inline):
+    """inline=1: the defaults (inline blobs, doorbells); inline=0: trio serves, no doorbells."""
     dest = prep_cli(src_tree, tmp_path / "dest", "--chunk-mib", "1", "-p", "3")
-    client, server = _run(dest, tmp_path / "out", {"FANSTORE_MPI_INLINE": inline})
+    client, server = _run(dest, tmp_path / "out", {"FANSTORE_MPI_INLINE": inline,
+                                                    "FANSTORE_MPI_DOORBELL": inline})
     assert client["fetched"] > 5
     assert client["mismatched"] == []
     assert client["stats"]["remote_reads"] == client["fetched"]
@@ -49,5 +51,8 @@ def test_blobs_through_mpi_ranks_and_error_replies(src_tree, tmp_path, inline):
         assert server["served_by_io"] > 0
         assert server["served_inline"] > 0
         assert server["served_inline"] + server["served_by_io"] == server["served"]
+        # the requests rang the server's doorbell: it slept between them, not polled
+        assert server["bell_wakes"] >= server["served"] // 2, server
+        assert server["polls"] < 50 * server["served"], server
     else:
-        assert server["served_inline"] == server["served_by_io"] == 0
+        assert server["served_inline"] == server["served_by_io"] == server["bell_wakes"] == 0
