@@ -298,6 +298,9 @@ class StatusBoard:
         d["requests_in_flight"] = t.requests_in_flight
         d["peak_requests_in_flight"] = t.peak_in_flight
         d["requests_served"] = t.served
+        for key in ("served_inline", "served_by_io", "bell_wakes", "polls"):  # MpiTransport only
+            if hasattr(t, key):
+                d[f"mpi_{key}"] = getattr(t, key)
         return d
 
     async def gather(self) -> dict[str, object]:
