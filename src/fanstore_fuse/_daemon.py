@@ -127,6 +127,7 @@ class _Mounted:
     held: dict[str, int] = field(default_factory=dict)
     writes: WriteStore | None = None
     parts: Parts | None = None
+    clock: _Phases = field(default_factory=lambda: _Phases(0))
 
     def teardown(self) -> None:
         if self.writes is not None:
@@ -160,7 +161,11 @@ def _setup(cfg: MountConfig, rank: int, nranks: int, m: _Mounted) -> tuple[Manif
     state_dir()  # a state dir we may not use is a one-line error now, not after mounting
     local_t = cfg.local_dir or (default_local_dir(cfg.mountpoint) + ("/{rank}" if nranks > 1 else ""))
     m.local = prepare_local_dir(for_rank(local_t, rank))
-    manifest = read_manifest(stage_manifest(cfg.dest, m.local))
+    clock = m.clock
+    local_manifest = stage_manifest(cfg.dest, m.local)
+    clock("manifest copy")
+    manifest = read_manifest(local_manifest)
+    clock("manifest check")
     parts = manifest.partitions
     bpart = manifest.blobs["part"]
     placement = Placement(
@@ -173,8 +178,10 @@ def _setup(cfg: MountConfig, rank: int, nranks: int, m: _Mounted) -> tuple[Manif
         held = np.arange(manifest.n_blobs)
     else:
         mine = blobs_for_rank(placement, rank, manifest.n_blobs, broadcast_mask(manifest))
+        clock("placement")
         shares, dense = plan_dense(manifest, mine)
         held = mine
+        clock("share plan")
     total = sum(parts[p].size if r is None else int(r[:, 1].sum())
                 for p, r in (shares or {p: None for p in range(len(parts))}).items())
     progress = _progress_writer(cfg.progress_file, total) if rank == 0 else None
@@ -189,10 +196,40 @@ def _setup(cfg: MountConfig, rank: int, nranks: int, m: _Mounted) -> tuple[Manif
     }
     log.info("rank %d staged %d partitions, %d bytes into %s in %.3f s (%.0f MB/s)", rank,
              res.partitions, res.bytes, m.local, dt, res.bytes / max(dt, 1e-9) / 1e6)
+    clock("stage-in")
     m.store = BlobStore(manifest, m.local, dense)
     if cfg.writable:
         m.writes = WriteStore(m.local, rank, cfg.write_quota)
+    clock("write store")
     return manifest, placement if nranks > 1 else LocalOnlyPlacement()
+
+
+class _Phases:
+    """Wall and CPU seconds of each start-up phase, logged in one line (docs/performance.md)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.last = (time.perf_counter(), time.process_time())
+        self.parts = [f"process start to here {_age():.3f}/{self.last[1]:.3f}"]
+
+    def __call__(self, what: str) -> None:
+        now = (time.perf_counter(), time.process_time())
+        self.parts.append(f"{what} {now[0] - self.last[0]:.3f}/{now[1] - self.last[1]:.3f}")
+        self.last = now
+
+    def report(self) -> None:
+        log.info("rank %d start-up, wall/CPU s: %s", self.rank, ", ".join(self.parts))
+
+
+def _age() -> float:
+    """Seconds since this process started (start time from /proc; 0 where there is none)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - start
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def _progress_writer(path: str | None, total: int):
@@ -320,7 +357,7 @@ def serve(cfg: MountConfig) -> int:
     except FanstoreError as e:
         _report_failure(cfg, f"error: {e}")
         return 1
-    m = _Mounted(for_rank(cfg.mountpoint, rank))
+    m = _Mounted(for_rank(cfg.mountpoint, rank), clock=_Phases(rank))
     error = ""
     try:
         settings = Settings.from_env()
@@ -329,7 +366,9 @@ def serve(cfg: MountConfig) -> int:
         m.parts = compose(manifest, m.store, cfg.dest, placement, rank,
                           lambda table: open_transport(comm, table, settings), m.writes, settings,
                           m.held, cfg.peer_timeout, cfg.warm_metadata)
+        m.clock("compose")
         _mount(cfg, m, m.parts.view, settings)
+        m.clock("fuse init")
     except FanstoreError as e:
         error = str(e)
     except Exception as e:
@@ -342,6 +381,7 @@ def serve(cfg: MountConfig) -> int:
                       "local": m.local or "", "host": socket.gethostname(),
                       "staged": m.held.get("staged_bytes", 0), "stage_us": m.held.get("stage_in_us", 0)}
     infos: list[_RankInfo] = comm.allgather(me)
+    m.clock("allgather")
     errors = [f"rank {i['rank']}: {i['error']}" for i in infos if i["error"]]
     if errors:
         m.teardown()
@@ -378,6 +418,8 @@ def serve(cfg: MountConfig) -> int:
     if rank == 0 or cfg.join:
         write_ready_file(cfg.ready_file, "ready\n" + summary)
     notify(cfg.ready_fd, "ready")
+    m.clock("ready")
+    m.clock.report()
     code = 0
     assert m.parts is not None  # set by the setup, which succeeded on every rank
     side = []

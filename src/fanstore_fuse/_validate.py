@@ -162,31 +162,40 @@ def _names(off: np.ndarray, names: np.ndarray, n: int) -> None:
             _fail_at(bad, a, "entry {i} has an unsafe name ('.' or '..')")
 
 
-def _key8(names: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
-    """Bytes start..start+8 of each name as a big-endian u64 (zero past the name's end)."""
-    idx = start[:, None] + np.arange(8, dtype=np.int64)
-    vals = np.where(idx < end[:, None], names[np.minimum(idx, len(names) - 1)], 0)
-    return np.ascontiguousarray(vals.astype(np.uint8)).view(">u8").ravel()
+# _MASK[r]: the first r bytes of a big-endian u64 kept, the rest zeroed.
+_MASK = np.array([((1 << 64) - 1) ^ ((1 << (64 - 8 * r)) - 1) for r in range(9)], dtype=np.uint64)
+
+
+def _words(heap: np.ndarray) -> np.ndarray:
+    """`w[i]` = bytes i..i+8 of `heap` as a big-endian u64 (a strided view over a zero-padded
+    copy: one gather per 8-byte key instead of eight)."""
+    padded = np.zeros(len(heap) + 8, dtype=np.uint8)
+    padded[: len(heap)] = heap
+    return np.ndarray((len(heap) + 1,), dtype=">u8", buffer=padded, strides=(1,))
 
 
 def _sorted(parent: np.ndarray, off: np.ndarray, names: np.ndarray, n: int) -> None:
-    """Adjacent siblings strictly increase by name bytes (8 bytes compared per round)."""
-    offs = off.astype(np.int64)
+    """Adjacent siblings strictly increase by name bytes (8 bytes compared per round, over the
+    names of one chunk of entries at a time)."""
     for a, z in _chunks(1, n - 1):
-        j = np.arange(a, z, dtype=np.int64)
-        j = j[parent[a:z] == parent[a + 1 : z + 1]]
+        base = int(off[a])
+        w = _words(names[base : int(off[z + 1])])
+        offs = off[a : z + 2].astype(np.int64) - base
+        j = np.flatnonzero(parent[a:z] == parent[a + 1 : z + 1])
         sa, ea, eb = offs[j], offs[j + 1], offs[j + 2]
         sb = ea
         pos = 0
         while len(j):
-            ka, kb = _key8(names, sa + pos, ea), _key8(names, sb + pos, eb)
+            ka = w[sa + pos] & _MASK[np.clip(ea - sa - pos, 0, 8)]
+            kb = w[sb + pos] & _MASK[np.clip(eb - sb - pos, 0, 8)]
             bad = _first(ka > kb)
             if bad is not None:
-                raise FormatError(f"directory {int(parent[j[bad]])} has unsorted names at entry {j[bad]}")
+                raise FormatError(f"directory {int(parent[a + j[bad]])} has unsorted names "
+                                  f"at entry {a + j[bad]}")
             tie = ka == kb
             done = tie & (sa + pos + 8 >= ea) & (sb + pos + 8 >= eb)
             if done.any():
-                d = int(j[_first(done)])
+                d = a + int(j[_first(done)])
                 raise FormatError(f"directory {int(parent[d])} has duplicate names at entry {d}")
             j, sa, ea, sb, eb = j[tie], sa[tie], ea[tie], sb[tie], eb[tie]
             pos += 8
