@@ -226,3 +226,22 @@ def test_vectorized_data_placement_matches_the_ring():
         for r in range(nranks):
             assert blobs_for_rank(pl, r, 5000, bcast).tolist() == pl.blobs_for_rank(r, 5000)
     assert blobs_for_rank(Placement(1), 0, 10).tolist() == list(range(10))
+
+
+def test_placement_split_between_ranks_gives_each_rank_its_blobs():
+    """The daemons' start-up split: each rank hashes one slice of the blob ids
+    (`blobs_by_rank(lo, hi)`) and the slices, exchanged, give every rank exactly the blobs the
+    scalar Placement says it holds (replicas and broadcast blobs included)."""
+    import numpy as np
+
+    from fanstore_fuse._ring_np import blobs_by_rank
+
+    bcast = np.zeros(3001, dtype=bool)
+    bcast[50:90] = True
+    for nranks, replicas in ((3, 1), (3, 2), (4, 3)):
+        pl = Placement(nranks, replicas, is_broadcast=lambda b: 50 <= b < 90)
+        cuts = [3001 * k // nranks for k in range(nranks + 1)]
+        slices = [blobs_by_rank(pl, cuts[k], cuts[k + 1], bcast) for k in range(nranks)]
+        for r in range(nranks):
+            got = np.concatenate([s[r] for s in slices]).tolist()
+            assert got == pl.blobs_for_rank(r, 3001)

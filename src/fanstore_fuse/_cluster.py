@@ -185,8 +185,7 @@ class ClusterMetadata:
     async def listdir(self, index: int, start: int, limit: int) -> list[Record]:
         owner = self.rank if self.local else self.owner(index)
         if owner == self.rank:
-            kids = self.ns.children(index)[start : start + limit]
-            return [self.ns.record(j) for j in kids]
+            return self.ns.listing(index, start, limit)
         arg = (start << 32) | limit
         try:
             wire = await self._ask(owner, Frame(OP_LISTDIR, 0, arg, pack(self.ns.path(index))))
@@ -195,7 +194,7 @@ class ClusterMetadata:
             recs = [_rec_from_wire(w) for w in wire]
         except PeerError as e:
             log.warning("directory owner unavailable, using the manifest copy: %s", e)
-            recs = [self.ns.record(j) for j in self.ns.children(index)[start : start + limit]]
+            recs = self.ns.listing(index, start, limit)
         return recs
 
     async def warm(self, nranks: int) -> int:
@@ -252,8 +251,7 @@ def serve_handlers(
     async def listdir(src: int, req: Frame) -> Frame:
         i = owned_index(req.body)
         start, limit = req.arg >> 32, min(req.arg & 0xFFFFFFFF, 4096)
-        kids = ns.children(i)[start : start + limit]
-        return Frame(req.op, req.req_id, body=pack([_rec_to_wire(ns.record(j)) for j in kids]))
+        return Frame(req.op, req.req_id, body=pack([_rec_to_wire(r) for r in ns.listing(i, start, limit)]))
 
     async def records(src: int, req: Frame) -> Frame:
         idx = unpack(req.body)

@@ -36,7 +36,7 @@ from ._mountctl import (
     state_dir,
 )
 from ._ring import LocalOnlyPlacement, Locator, Placement
-from ._ring_np import blobs_for_rank
+from ._ring_np import blobs_by_rank
 from ._settings import Settings
 from ._stage import Ranges, broadcast_mask, plan_dense, stage_in, stage_manifest
 from ._transport import Transport
@@ -148,7 +148,37 @@ class _Mounted:
                 os.rmdir(self.mountpoint)
 
 
-def _setup(cfg: MountConfig, rank: int, nranks: int, m: _Mounted) -> tuple[Manifest, Locator]:
+class _PeerFailed(Exception):
+    """Another rank failed before the placement exchange (it reports its own error)."""
+
+
+class _Exchange:
+    """The placement split of start-up: each rank hashes 1/N of the blob ids and the ranks
+    swap the lists (one alltoall), so no rank hashes every blob. Every rank calls it exactly
+    once, a rank that failed earlier with `fail()`, so the collective never waits forever."""
+
+    def __init__(self, comm: Any, nranks: int):
+        self.comm, self.nranks, self.done = comm, nranks, False
+
+    def blobs(self, manifest: Manifest, placement: Placement, rank: int) -> np.ndarray:
+        n, k = manifest.n_blobs, self.nranks
+        lists = blobs_by_rank(placement, n * rank // k, n * (rank + 1) // k, broadcast_mask(manifest))
+        got = self._swap(lists)
+        if any(g is None for g in got):
+            raise _PeerFailed
+        return np.concatenate(got)
+
+    def fail(self) -> None:
+        if not self.done and self.nranks > 1:
+            self._swap([None] * self.nranks)
+
+    def _swap(self, out: list[Any]) -> list[Any]:
+        self.done = True
+        return self.comm.alltoall(out)
+
+
+def _setup(cfg: MountConfig, rank: int, nranks: int, m: _Mounted, exchange: _Exchange
+           ) -> tuple[Manifest, Locator]:
     """Check the mountpoint, stage in this rank's share, open the write store."""
     mp = m.mountpoint
     if "{rank}" in cfg.mountpoint and not os.path.exists(mp):
@@ -177,7 +207,7 @@ def _setup(cfg: MountConfig, rank: int, nranks: int, m: _Mounted) -> tuple[Manif
         shares = None
         held = np.arange(manifest.n_blobs)
     else:
-        mine = blobs_for_rank(placement, rank, manifest.n_blobs, broadcast_mask(manifest))
+        mine = exchange.blobs(manifest, placement, rank)
         clock("placement")
         shares, dense = plan_dense(manifest, mine)
         held = mine
@@ -359,9 +389,10 @@ def serve(cfg: MountConfig) -> int:
         return 1
     m = _Mounted(for_rank(cfg.mountpoint, rank), clock=_Phases(rank))
     error = ""
+    exchange = _Exchange(comm, nranks)
     try:
         settings = Settings.from_env()
-        manifest, placement = _setup(cfg, rank, nranks, m)
+        manifest, placement = _setup(cfg, rank, nranks, m, exchange)
         assert m.store is not None
         m.parts = compose(manifest, m.store, cfg.dest, placement, rank,
                           lambda table: open_transport(comm, table, settings), m.writes, settings,
@@ -369,11 +400,14 @@ def serve(cfg: MountConfig) -> int:
         m.clock("compose")
         _mount(cfg, m, m.parts.view, settings)
         m.clock("fuse init")
+    except _PeerFailed:
+        pass  # the rank that failed says why in the allgather below
     except FanstoreError as e:
         error = str(e)
     except Exception as e:
         log.exception("mount failed")
         error = f"{type(e).__name__}: {e}"
+    exchange.fail()
     if error:
         log.error("rank %d: %s", rank, error)
     # Every rank reports; rank 0 decides for all (a failure anywhere unmounts everywhere).

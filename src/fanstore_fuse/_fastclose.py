@@ -1,4 +1,5 @@
-"""FOPEN_NOFLUSH for read-only opens on a writable mount, through the `_noflush` C shim.
+"""FOPEN_NOFLUSH for read-only opens on a writable mount, and FOPEN_CACHE_DIR for the listings
+of the dataset's directories, through the `_noflush` C shim.
 
 The kernel sends FLUSH on every close(2) unless open answered FOPEN_NOFLUSH; pyfuse3's FileInfo
 cannot say so. `load()` (run when the package's `__init__` imports this module, before anything
@@ -51,6 +52,23 @@ def enable_noflush() -> bool:
         log.warning("FOPEN_NOFLUSH shim not usable: %s", e)
         return False
     return True
+
+
+def cache_listing(fh: int) -> bool:
+    """Ask the kernel to cache the listing of the directory whose opendir is answered next
+    with `fh` (FOPEN_CACHE_DIR + FOPEN_KEEP_CACHE). Call it just before `opendir` returns."""
+    if _shim is None:
+        return False
+    try:
+        _shim.mark_dir(fh)
+    except OSError:
+        return False
+    return True
+
+
+def cached_listings() -> int:
+    """Opendir replies sent with FOPEN_CACHE_DIR by this process."""
+    return int(_shim.dirs()) if _shim is not None else 0
 
 
 def noflush_opens() -> int:

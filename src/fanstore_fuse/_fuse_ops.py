@@ -17,6 +17,7 @@ from typing import Any, TypeVar, cast
 import pyfuse3
 
 from ._errors import FanstoreError, InvalidArgument, ReadOnly
+from ._fastclose import cache_listing
 from ._namespace import Record
 from ._view import MountView
 
@@ -27,6 +28,7 @@ _QUIET = {errno.ENOENT, errno.ENODATA, errno.EROFS, errno.EEXIST, errno.ENOTEMPT
           errno.ENOTSUP, errno.ENAMETOOLONG}
 
 F = TypeVar("F", bound=Callable[..., Coroutine[Any, Any, Any]])
+FIRST_BATCH = 32  # entries built for the first part of one readdir request (grows if they fit)
 
 
 def _translate(fn: F) -> F:
@@ -104,20 +106,25 @@ class Operations(pyfuse3.Operations):
 
     @_translate
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
-        return await self.view.opendir(inode)
+        fh = await self.view.opendir(inode)
+        if await self.view.listing_fixed(inode):
+            cache_listing(fh)  # last, right before the reply: the shim marks the next reply only
+        return fh
 
     @_translate
     async def readdir(self, fh: int, start_id: int, token) -> None:
         pos = start_id
         more = True
+        limit = FIRST_BATCH  # a READDIRPLUS buffer holds ~20 entries: build no more than fit
         while more:
-            batch, more = await self.view.listing(fh, pos)
+            batch, more = await self.view.listing(fh, pos, limit)
             if not batch:
                 return
             for r in batch:
                 pos += 1
                 if not pyfuse3.readdir_reply(token, r.name, self._attr(r), pos):
                     return
+            limit = min(4 * limit, 1024)
 
     async def releasedir(self, fh: int) -> None:
         return None

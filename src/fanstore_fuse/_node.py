@@ -164,8 +164,7 @@ class LocalMetadata:
         return self.ns.record(self.ns.lookup(parent, name))
 
     async def listdir(self, index: int, start: int, limit: int) -> list[Record]:
-        kids = self.ns.children(index)[start : start + limit]
-        return [self.ns.record(j) for j in kids]
+        return self.ns.listing(index, start, limit)
 
 
 class Node:

@@ -6,11 +6,18 @@
  * in the global scope and so binds pyfuse3's lazily resolved call to libfuse's. When enabled, it
  * sets noflush on replies to O_RDONLY opens and calls libfuse's fuse_reply_open. Files opened for
  * writing keep FLUSH: close(2) of a written file still commits it (close-to-open).
+ *
+ * The same interposition sets cache_readdir and keep_cache (FOPEN_CACHE_DIR, FOPEN_KEEP_CACHE)
+ * on the reply to an opendir whose handle Python marked just before returning it (mark_dir):
+ * the kernel then keeps that directory's listing in its page cache across opens, so a second
+ * `find` never reaches the daemon. Python marks only directories whose listing cannot change
+ * (the dataset's, with no written entry); an unmarked opendir drops the cached listing.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #define FUSE_USE_VERSION 35
 #include <dlfcn.h>
+#include <stdint.h>
 #include <fcntl.h>
 #include <fuse_lowlevel.h>
 
@@ -19,6 +26,9 @@ typedef int (*reply_open_t)(fuse_req_t, const struct fuse_file_info *);
 static reply_open_t real_reply_open;
 static int enabled;
 static unsigned long long noflush_opens;
+static int dir_marked;
+static uint64_t dir_mark_fh;
+static unsigned long long cached_dirs;
 
 static reply_open_t find_real(void) {
     void *lib = dlopen("libfuse3.so.3", RTLD_NOW | RTLD_LOCAL);
@@ -30,6 +40,15 @@ int fuse_reply_open(fuse_req_t req, const struct fuse_file_info *fi) {
         real_reply_open = find_real();
     if (real_reply_open == NULL || real_reply_open == fuse_reply_open)
         return -ENOSYS; /* cannot happen once enable() succeeded */
+    int cache_dir = dir_marked && fi->fh == dir_mark_fh;
+    dir_marked = 0; /* a mark is for the very next reply only */
+    if (cache_dir) {
+        struct fuse_file_info copy = *fi;
+        copy.cache_readdir = 1;
+        copy.keep_cache = 1;
+        cached_dirs++;
+        return real_reply_open(req, &copy);
+    }
     if (enabled && (fi->flags & O_ACCMODE) == O_RDONLY) {
         struct fuse_file_info copy = *fi;
         copy.noflush = 1;
@@ -54,6 +73,28 @@ static PyObject *enable(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *mark_dir(PyObject *self, PyObject *arg) {
+    (void)self;
+    unsigned long long fh = PyLong_AsUnsignedLongLong(arg);
+    if (fh == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    if (real_reply_open == NULL)
+        real_reply_open = find_real();
+    if (real_reply_open == NULL || real_reply_open == fuse_reply_open) {
+        PyErr_SetString(PyExc_OSError, "libfuse3.so.3's fuse_reply_open not found");
+        return NULL;
+    }
+    dir_mark_fh = fh;
+    dir_marked = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *dirs(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyLong_FromUnsignedLongLong(cached_dirs);
+}
+
 static PyObject *count(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
@@ -63,6 +104,8 @@ static PyObject *count(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"enable", enable, METH_O, "enable(on): set noflush on replies to read-only opens"},
     {"count", count, METH_NOARGS, "count(): opens answered with noflush so far"},
+    {"mark_dir", mark_dir, METH_O, "mark_dir(fh): cache the listing of the next opendir reply"},
+    {"dirs", dirs, METH_NOARGS, "dirs(): opendir replies sent with cache_readdir so far"},
     {NULL, NULL, 0, NULL},
 };
 

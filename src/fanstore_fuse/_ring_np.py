@@ -66,34 +66,56 @@ def _successors(owner: list[int], count: int) -> np.ndarray:
     return out
 
 
+def _holders(pl: Placement, ids: np.ndarray, pts: np.ndarray, succ: np.ndarray) -> np.ndarray:
+    """The ranks holding each blob of `ids`: one row of `pl.replicas` ranks per blob."""
+    best_d = np.full(len(ids), np.iinfo(np.uint64).max, dtype=np.uint64)
+    best_i = np.zeros(len(ids), dtype=np.int64)
+    for j in range(pl.ring.probes):
+        p = xxh3_data_keys(ids, RING_SEED + j)
+        i = np.searchsorted(pts, p, side="left")
+        i[i == len(pts)] = 0
+        with np.errstate(over="ignore"):
+            d = pts[i] - p
+        better = d < best_d
+        best_d = np.where(better, d, best_d)
+        best_i = np.where(better, i, best_i)
+    return succ[best_i]
+
+
+def blobs_by_rank(pl: Placement, lo: int, hi: int,
+                  broadcast: np.ndarray | None = None) -> list[np.ndarray]:
+    """For every rank, the blob ids in range(lo, hi) it holds, ascending; `broadcast` is a bool
+    mask over all blobs (broadcast blobs are held by every rank). Ranks that split the blob
+    range between them and exchange these lists (`_daemon`) each hash only their slice."""
+    if pl.nranks == 1:
+        return [np.arange(lo, hi, dtype=np.int64)]
+    pts_l, own_l = pl.ring.points()
+    pts = np.array(pts_l, dtype=np.uint64)
+    succ = _successors(own_l, pl.replicas)
+    out: list[list[np.ndarray]] = [[] for _ in range(pl.nranks)]
+    for a in range(lo, hi, CHUNK):
+        ids = np.arange(a, min(a + CHUNK, hi), dtype=np.uint64)
+        rows = _holders(pl, ids, pts, succ)
+        every = ids[:0]
+        if broadcast is not None:
+            bc = broadcast[a : a + len(ids)]
+            rows[bc] = -1  # held by every rank: added to each below
+            every = ids[bc]
+        who = rows.T.ravel()
+        order = np.argsort(who, kind="stable")  # by rank, then replica column, then id
+        cut = np.searchsorted(who[order], np.arange(pl.nranks + 1))
+        for r in range(pl.nranks):
+            got = ids[order[cut[r] : cut[r + 1]] % len(ids)]
+            if len(every) or pl.replicas > 1:
+                got = np.sort(np.concatenate([got, every]))
+            out[r].append(got.astype(np.int64))
+    return [np.concatenate(x) if x else np.empty(0, dtype=np.int64) for x in out]
+
+
 def blobs_for_rank(pl: Placement, rank: int, nblobs: int,
                    broadcast: np.ndarray | None = None) -> np.ndarray:
     """Blob ids in range(nblobs) that `rank` holds, ascending (same answer as
     `Placement.blobs_for_rank`); `broadcast` is a bool mask of broadcast blobs (held by all)."""
     if not 0 <= rank < pl.nranks:
         return np.empty(0, dtype=np.int64)
-    if pl.nranks == 1:
-        return np.arange(nblobs, dtype=np.int64)
-    pts_l, own_l = pl.ring.points()
-    pts = np.array(pts_l, dtype=np.uint64)
-    succ = _successors(own_l, pl.replicas)
-    seeds = [RING_SEED + j for j in range(pl.ring.probes)]
-    out = []
-    for a in range(0, nblobs, CHUNK):
-        ids = np.arange(a, min(a + CHUNK, nblobs), dtype=np.uint64)
-        best_d = np.full(len(ids), np.iinfo(np.uint64).max, dtype=np.uint64)
-        best_i = np.zeros(len(ids), dtype=np.int64)
-        for seed in seeds:
-            p = xxh3_data_keys(ids, seed)
-            i = np.searchsorted(pts, p, side="left")
-            i[i == len(pts)] = 0
-            with np.errstate(over="ignore"):
-                d = pts[i] - p
-            better = d < best_d
-            best_d = np.where(better, d, best_d)
-            best_i = np.where(better, i, best_i)
-        held = (succ[best_i] == rank).any(axis=1)
-        if broadcast is not None:
-            held |= broadcast[a : a + len(ids)]
-        out.append(ids[held].astype(np.int64))
-    return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
+    return blobs_by_rank(pl, 0, nblobs, broadcast)[rank]

@@ -50,29 +50,33 @@ def _copy_range(src_fd: int, dst_fd: int, off: int, n: int) -> None:
 
 def _copy_dense(sfd: int, dfd: int, ranges: Ranges, gap: int = 64 << 10, window: int = 8 << 20) -> int:
     """Append the byte `ranges` of `sfd`, in the order given, to `dfd`: nearby ranges are read
-    with one pread (holes under `gap` bytes included) and written with one writev. Works through
-    `ranges` a block at a time, so no per-piece Python objects outlive a block."""
+    with one pread (holes under `gap` bytes included) and written with one writev. The groups
+    are found with numpy, a block of ranges at a time; Python only slices each piece."""
     copied = 0
     for blk in range(0, len(ranges), 1 << 16):
-        rows = ranges[blk : blk + (1 << 16)].tolist()
-        k = 0
-        while k < len(rows):
-            start, end, j = rows[k][0], rows[k][0] + rows[k][1], k + 1
-            while j < len(rows):
-                o, n = rows[j]
-                if o < end or o - end > gap or o + n - start > window or j - k >= _IOV_MAX:
-                    break
-                end, j = o + n, j + 1
-            buf = os.pread(sfd, end - start, start)
-            if len(buf) != end - start:
-                raise FanstoreError("source partition is shorter than the manifest says")
-            mv = memoryview(buf)
-            pieces = [mv[o - start : o - start + n] for o, n in rows[k:j]]
-            want = sum(len(p) for p in pieces)
-            if os.writev(dfd, pieces) != want:
-                raise FanstoreError("short write to the local copy")
-            copied += want
-            k = j
+        r = ranges[blk : blk + (1 << 16)].astype(np.int64)
+        off, ln = r[:, 0], r[:, 1]
+        end = off + ln
+        # A new group wherever the next range starts before the previous end or too far after.
+        brk = np.flatnonzero((off[1:] < end[:-1]) | (off[1:] - end[:-1] > gap)) + 1
+        runs = np.r_[0, brk, len(r)].tolist()
+        offs, lns, ends = off.tolist(), ln.tolist(), end.tolist()
+        for ra, rz in zip(runs[:-1], runs[1:]):
+            k = ra
+            while k < rz:  # cut each run by the window and the iovec limit
+                j = int(np.searchsorted(end[k:rz], offs[k] + window, side="right")) + k
+                j = min(max(j, k + 1), k + _IOV_MAX, rz)
+                start, stop = offs[k], ends[j - 1]
+                buf = os.pread(sfd, stop - start, start)
+                if len(buf) != stop - start:
+                    raise FanstoreError("source partition is shorter than the manifest says")
+                mv = memoryview(buf)
+                pieces = [mv[o - start : o - start + n] for o, n in zip(offs[k:j], lns[k:j])]
+                want = sum(lns[k:j])
+                if os.writev(dfd, pieces) != want:
+                    raise FanstoreError("short write to the local copy")
+                copied += want
+                k = j
     return copied
 
 

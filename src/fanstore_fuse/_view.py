@@ -208,14 +208,23 @@ class MountView(ViewMeta):
         await self._dir_path(inode)
         return inode
 
-    async def listing(self, fh: int, start: int) -> tuple[list[Record], bool]:
+    async def listing_fixed(self, inode: int) -> bool:
+        """Whether the kernel may cache this directory's listing: a dataset directory holding
+        no written entry (asked of the listing's owner on a writable mount, as a listing does)."""
+        if origin(inode) != DATASET:
+            return False
+        return not self.writable or not await self._written_children(self.node.ns.path(inode - 1), inode)
+
+    async def listing(self, fh: int, start: int, limit: int = LISTING_BATCH
+                      ) -> tuple[list[Record], bool]:
         """Entries from position `start` of a directory, and whether more may follow: the
-        dataset's children in batches, then (in one batch) the written entries it lacks."""
+        dataset's children in batches of up to `limit`, then (in one batch) the written
+        entries it lacks."""
         n_ds = 0
         if origin(fh) == DATASET:
             n_ds = len(self.node.ns.children(fh - 1))
             if start < n_ds:
-                return await self.node.listdir(fh - 1, start, LISTING_BATCH), True
+                return await self.node.listdir(fh - 1, start, limit), True
         if not self.writable:
             return [], False
         extra = await self._written_children(await self._dir_path(fh), fh)
