@@ -170,8 +170,6 @@ def mount(
     With --ranks N (or inside a SLURM job) one daemon per rank is started with mpiexec (srun);
     MOUNTPOINT and --local may then contain {rank}.
     """
-    from ._daemon import MountConfig, serve, setup_logging
-
     if not mpi and ready_fd is None:  # once, by the command the user ran
         _warn_widened(dest)
     multi = not mpi and (ranks is not None or bool(join) or bool(os.environ.get("SLURM_JOB_ID")))
@@ -216,6 +214,8 @@ def mount(
             _fail(str(e))
         err.print(f"mounted {dest} at {mountpoint} (daemon pid {pid})", highlight=False)
         return
+    from ._daemon import MountConfig, serve, setup_logging  # the daemon only: pyfuse3, trio, numpy
+
     setup_logging(debug)
     cfg = MountConfig(
         dest, mountpoint, local, list(option), ready_fd, ready_file, debug, mpi=mpi,
