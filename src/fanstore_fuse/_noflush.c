@@ -58,17 +58,23 @@ int fuse_reply_open(fuse_req_t req, const struct fuse_file_info *fi) {
     return real_reply_open(req, fi);
 }
 
+static int have_real(void) {
+    if (real_reply_open == NULL)
+        real_reply_open = find_real();
+    if (real_reply_open == NULL || real_reply_open == fuse_reply_open) {
+        PyErr_SetString(PyExc_OSError, "libfuse3.so.3's fuse_reply_open not found");
+        return 0;
+    }
+    return 1;
+}
+
 static PyObject *enable(PyObject *self, PyObject *arg) {
     (void)self;
     int on = PyObject_IsTrue(arg);
     if (on < 0)
         return NULL;
-    if (real_reply_open == NULL)
-        real_reply_open = find_real();
-    if (real_reply_open == NULL || real_reply_open == fuse_reply_open) {
-        PyErr_SetString(PyExc_OSError, "libfuse3.so.3's fuse_reply_open not found");
+    if (!have_real())
         return NULL;
-    }
     enabled = on;
     Py_RETURN_NONE;
 }
@@ -78,12 +84,8 @@ static PyObject *mark_dir(PyObject *self, PyObject *arg) {
     unsigned long long fh = PyLong_AsUnsignedLongLong(arg);
     if (fh == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
-    if (real_reply_open == NULL)
-        real_reply_open = find_real();
-    if (real_reply_open == NULL || real_reply_open == fuse_reply_open) {
-        PyErr_SetString(PyExc_OSError, "libfuse3.so.3's fuse_reply_open not found");
+    if (!have_real())
         return NULL;
-    }
     dir_mark_fh = fh;
     dir_marked = 1;
     Py_RETURN_NONE;
