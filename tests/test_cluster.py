@@ -237,3 +237,30 @@ def test_many_requests_in_flight(tmp_path, mount_factory):
     ranks = status_ranks(m.status())
     assert ranks[0]["stats"]["remote_reads"] > 100
     assert ranks[0]["peak_requests_in_flight"] >= 8, ranks[0]  # not one at a time (FanStore)
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_failing_before_the_placement_exchange_fails_the_mount_in_one_line(
+        tmp_path: Path, state_dir: Path):
+    """Rank 1's mountpoint is a file: it fails before the blob placement alltoall, joins it
+    empty-handed, and the mount fails at once with its reason (nobody waits in the collective);
+    no mount and no daemon stay behind."""
+    from _harness import cli_env, fuse_mounts, run_cli
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(20):
+        (src / f"f{i}").write_bytes(os.urandom(100 + i))
+    dest = prep_cli(src, tmp_path / "dest")
+    for r in (0, 2):
+        (tmp_path / f"mp-{r}").mkdir()
+    (tmp_path / "mp-1").write_bytes(b"not a directory")
+    t0 = time.monotonic()
+    res = run_cli("mount", dest, tmp_path / "mp-{rank}", "--local", tmp_path / "local-{rank}",
+                  "--ranks", "3", env=cli_env(state_dir), check=False, timeout=150)
+    assert res.returncode != 0
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "rank 1" in lines[0] and "mp-1" in lines[0], res.stderr
+    assert time.monotonic() - t0 < 120
+    assert not [m for m in fuse_mounts() if str(tmp_path) in m]
+    assert not list(state_dir.glob("*.json"))
