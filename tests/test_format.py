@@ -416,3 +416,39 @@ def test_checksum_is_seeded_xxh3():
     assert HASH_SEED == 0x46414E53
     assert checksum(b"fanstore") == xxhash.xxh3_64_intdigest(b"fanstore", seed=HASH_SEED)
     assert checksum(b"fanstore") != xxhash.xxh3_64_intdigest(b"fanstore")
+
+
+def test_read_columns_checks_the_sections_it_returns(tmp_path: Path):
+    """`_columns.read_columns` (the access warning's cheap look): the columns equal the full
+    reader's; a flipped byte in a returned section is refused, one elsewhere is not its
+    business (the mount's full read refuses it)."""
+    from fanstore_fuse._columns import read_columns
+    from fanstore_fuse._format import _MANIFEST_HEADER, _SECTION, SECTIONS, read_manifest
+
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    for i in range(30):
+        (src / "d" / f"f{i}").write_bytes(b"z" * i)
+    res = prep(src, tmp_path / "dest", PrepOptions(partitions=2))
+    path = tmp_path / "dest" / "manifest.fsm"
+    full = read_manifest(path)
+    parts, cols = read_columns(path, ("kind", "mode", "gid"))
+    assert [p.name for p in parts] == [p.name for p in full.partitions]
+    for k in ("kind", "mode", "gid"):
+        assert list(cols[k]) == list(full.entries[k])
+    data = bytearray(path.read_bytes())
+    where = {name: _SECTION.unpack_from(data, _MANIFEST_HEADER.size + k * _SECTION.size)
+             for k, name in enumerate(SECTIONS)}
+    for name, refused in (("entries.mode", True), ("names", False)):
+        bad = bytearray(data)
+        bad[where[name][0] + 1] ^= 0x40
+        p = tmp_path / f"bad-{name}.fsm"
+        p.write_bytes(bad)
+        if refused:
+            with pytest.raises(FormatError, match="entries.mode"):
+                read_columns(p, ("kind", "mode", "gid"))
+        else:
+            read_columns(p, ("kind", "mode", "gid"))
+        with pytest.raises(FormatError, match="checksum mismatch"):
+            read_manifest(p)
+    assert res.manifest.n_entries == full.n_entries

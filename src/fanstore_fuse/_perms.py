@@ -232,7 +232,8 @@ def _distinct(kinds: Any, modes: Any, gids: Any) -> tuple[list[int], list[int], 
 
 def dest_warning(dest: str) -> str | None:
     """`verify`/`mount`: one line if DEST is readable by more users than prep allowed."""
-    from ._format import KIND_DIR, KIND_LINK, MANIFEST_NAME, PARTITION_NAME_RE, read_columns
+    from ._columns import read_columns
+    from ._format import KIND_DIR, KIND_LINK, MANIFEST_NAME, PARTITION_NAME_RE
 
     dest = os.path.abspath(dest)
     allowed = recorded_access(dest)
