@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 EXTRAS ?= test,bench,tensor
 
-.PHONY: all deps venv install demo test test-fast lint bench bench-quick bench-metadata bench-cost clean pjdfstest
+.PHONY: all deps venv install demo test test-fast lint bench bench-quick bench-metadata bench-cost bench-epoch2 clean pjdfstest
 
 all: test
 
@@ -55,6 +55,7 @@ bench-quick: $(STAMP)
 	$(PY) -m bench.run --quick
 	$(PY) -m bench.metadata_scale --files 2000 --files 10000
 	$(PY) -m bench.cost
+	$(PY) -m bench.epoch2
 
 # Metadata scale (issue 14): tiny-file trees; FILES="20000 128117" or up to 1281167 (minutes).
 FILES ?= 20000 128117
@@ -64,6 +65,10 @@ bench-metadata: $(STAMP)
 # CPU per file read (local, remote), latency, writable vs --read-only, squashfuse(_ll): issue 11
 bench-cost: $(STAMP)
 	$(PY) -m bench.cost
+
+# Second epoch over 2 ranks from the disk cache vs 1 rank all local: issue 11 part 3
+bench-epoch2: $(STAMP)
+	$(PY) -m bench.epoch2
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

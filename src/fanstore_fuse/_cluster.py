@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import trio
 
 from ._blobstore import BlobStore
+from ._diskcache import DiskCache
 from ._errors import ChecksumError, FanstoreError, NotFound, PeerError
 from ._messages import (
     OP_FETCH_BLOB,
@@ -283,6 +284,7 @@ class StatusBoard:
     transport: Transport
     writes: WriteStore | None
     held: dict[str, int]
+    disk_cache: DiskCache | None = None  # its counters under "disk_cache"
     timeout: float = 5.0
 
     def local(self) -> dict[str, object]:
@@ -291,6 +293,8 @@ class StatusBoard:
         d["host"] = socket.gethostname()
         if self.writes is not None:
             d["writes"] = self.writes.status()
+        if self.disk_cache is not None:
+            d["disk_cache"] = self.disk_cache.status()
         d["mpi_bytes_sent"] = t.bytes_sent
         d["mpi_bytes_received"] = t.bytes_received
         d["requests_in_flight"] = t.requests_in_flight

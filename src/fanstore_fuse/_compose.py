@@ -4,7 +4,8 @@
 placement, how to connect to the other ranks, the write store) and builds, each fully in its
 constructor: the handler table, the transport (`connect(table)`: `MpiTransport` over the
 communicator, `NoPeers` for one rank, `tests/_ranks.py` for ranks in one process), the blob
-source (`ClusterBlobSource`) and metadata provider (`ClusterMetadata`; with
+source (`ClusterBlobSource`, behind a `CachingBlobSource` that keeps blobs fetched from other
+ranks on the local disk, `_diskcache`) and metadata provider (`ClusterMetadata`; with
 `LocalOnlyPlacement` every answer is local and comes straight from `LocalMetadata`), the
 `Node`, `SharedWrites`, the status board and the `MountView`. No pyfuse3 here: `_daemon`
 mounts `Operations(parts.view)` and runs `parts.transport.run` on trio.
@@ -18,13 +19,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import trio
+
 from . import _stageout_all as stageout_all
 from ._blobstore import BlobStore
 from ._cluster import ClusterBlobSource, ClusterMetadata, StatusBoard, serve_handlers
+from ._diskcache import BLOCKED, CACHE_DIR, DiskCache, resolve_limit
 from ._format import Manifest
 from ._messages import HandlerTable
 from ._namespace import Namespace
-from ._node import LocalBlobSource, LocalMetadata, Metadata, Node, Stats
+from ._node import BlobSource, LocalBlobSource, LocalMetadata, Metadata, Node, Stats
 from ._ring import LocalOnlyPlacement, Locator
 from ._settings import Settings
 from ._shared_writes import SharedWrites
@@ -46,10 +50,56 @@ class Parts:
     transport: Transport
     warm: Callable[[], Awaitable[None]] | None
     stores: list[BlobStore] = field(default_factory=list)  # opened here (the DEST fallback)
+    disk_cache: DiskCache | None = None
 
     def close(self) -> None:
+        if self.disk_cache is not None:
+            self.disk_cache.close()
         for s in self.stores:
             s.close()
+
+
+class CachingBlobSource:
+    """A rank's blob source with the disk cache in front of it for the blobs this rank does not
+    hold (held ones are local already): a hit is read and verified locally (inline when the
+    page cache has it, else in a worker thread), a miss or a bad entry goes to `inner` and the
+    bytes it returns are queued for the cache."""
+
+    def __init__(self, inner: BlobSource, cache: DiskCache, held: Callable[[int], bool],
+                 sizes: Any, threshold: int):
+        self.inner = inner
+        self.cache = cache
+        self.held = held
+        self.sizes = sizes
+        self.threshold = threshold
+        self._limiter = trio.CapacityLimiter(max(2, (os.cpu_count() or 1) * 2))
+
+    async def fetch(self, blob: int) -> bytes:
+        cache = self.cache
+        if cache.has(blob):
+            data = cache.read(blob, nowait=True) if self.sizes[blob] < self.threshold else BLOCKED
+            if data is BLOCKED:
+                data = await trio.to_thread.run_sync(cache.read, blob, limiter=self._limiter)
+            if isinstance(data, bytes):
+                return data
+        elif self.held(blob):
+            return await self.inner.fetch(blob)
+        else:
+            cache.miss()
+        data = await self.inner.fetch(blob)
+        cache.put(blob, data)
+        return data
+
+
+def open_disk_cache(manifest: Manifest, local_dir: str, settings: Settings) -> DiskCache | None:
+    """The rank's disk cache in `LOCAL/cache` (None when its size resolves to 0)."""
+    directory = os.path.join(local_dir, CACHE_DIR)
+    limit = resolve_limit(settings.cache_size, local_dir)
+    if limit <= 0:
+        return None
+    b = manifest.blobs
+    log.info("disk cache of remote blobs: %s, up to %d bytes", directory, limit)
+    return DiskCache(directory, limit, b["raw"], b["xxh3"])
 
 
 def open_transport(comm: Any, table: HandlerTable, settings: Settings) -> Transport:
@@ -85,14 +135,21 @@ def compose(
     table = HandlerTable()
     transport = connect(table)
     local = LocalBlobSource(store, stats, settings.thread_threshold)
-    source = ClusterBlobSource(rank, placement, local, source_store, transport, stats, peer_timeout)
+    source: BlobSource = ClusterBlobSource(rank, placement, local, source_store, transport, stats,
+                                           peer_timeout)
+    disk_cache = None
+    if placement.nranks > 1:
+        disk_cache = open_disk_cache(manifest, store.local_dir, settings)
+    if disk_cache is not None:
+        source = CachingBlobSource(source, disk_cache, lambda b: placement.holds(rank, b),
+                                   manifest.blobs["raw"], settings.thread_threshold)
     # With one rank every path is owned here: LocalMetadata gives ClusterMetadata's answers
     # without computing an owner per record (measured: ~4 us CPU less per lookup/getattr).
     meta: Metadata = LocalMetadata(ns)
     if placement.nranks > 1:
         meta = cluster_meta = ClusterMetadata(rank, ns, placement, transport, stats, peer_timeout)
     node = Node(ns, source, stats, settings.cache_bytes, settings.readahead_chunks, meta=meta)
-    board = StatusBoard(rank, placement.nranks, node, transport, writes, held or {})
+    board = StatusBoard(rank, placement.nranks, node, transport, writes, held or {}, disk_cache)
     serve_handlers(table, rank, node, placement, store, board.local, settings.thread_threshold)
     shared = None
     if writes is not None:
@@ -107,4 +164,4 @@ def compose(
             n = await cluster_meta.warm(placement.nranks)
             log.info("rank %d warmed %d metadata records", rank, n)
 
-    return Parts(view, node, transport, warm, parts_stores)
+    return Parts(view, node, transport, warm, parts_stores, disk_cache)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -69,6 +70,7 @@ class MountConfig:
     nodes: int = 1  # with join: how many nodes
     join_timeout: float = 120.0
     stage_out: str | None = None  # recorded for `umount` (and the SLURM epilog)
+    cache_size: str | None = None  # disk cache of remote blobs; None: FANSTORE_CACHE_SIZE or 50%
 
 
 def fuse_options(cfg: MountConfig) -> set[str]:
@@ -392,6 +394,8 @@ def serve(cfg: MountConfig) -> int:
     exchange = _Exchange(comm, nranks)
     try:
         settings = Settings.from_env()
+        if cfg.cache_size is not None:
+            settings = dataclasses.replace(settings, cache_size=cfg.cache_size)
         manifest, placement = _setup(cfg, rank, nranks, m, exchange)
         assert m.store is not None
         m.parts = compose(manifest, m.store, cfg.dest, placement, rank,

@@ -13,6 +13,7 @@
 | `FANSTORE_MPI_BACKOFF` | 2.0 | growth of the MPI thread's poll interval while nothing arrives (1: fixed) |
 | `FANSTORE_MPI_DOORBELL` | 1 | a UDP doorbell rung with each frame sent wakes the peer (0: poll only) |
 | `FANSTORE_MPI_INLINE` | 1 | serve blob requests on the MPI thread (0: as trio tasks, the old path) |
+| `FANSTORE_CACHE_SIZE` | 50% | disk cache of remote blobs (`--cache-size`): `10G`, `50%` of free, `0` off |
 
 The daemon builds one `Settings` (`Settings.from_env()`) and hands it to what it composes;
 library code never reads the environment for these. A bad value is a one-line error.
@@ -38,7 +39,36 @@ _ENV = {
     "mpi_inline": "FANSTORE_MPI_INLINE",
     "mpi_backoff": "FANSTORE_MPI_BACKOFF",
     "mpi_doorbell": "FANSTORE_MPI_DOORBELL",
+    "cache_size": "FANSTORE_CACHE_SIZE",
 }
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from `123`, `500M`, `10G`, `1.5T` (binary units; `10GiB`, `10GB` too)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = _UNITS.get(t[-1:], 1)
+    try:
+        value = float(t[:-1] if t[-1:] in _UNITS else t) * mult
+    except ValueError:
+        raise FanstoreError(f"bad size {text!r} (use e.g. 500M or 10G)") from None
+    if not value >= 0 or value == float("inf"):
+        raise FanstoreError(f"bad size {text!r} (use e.g. 500M or 10G)")
+    return int(value)
+
+
+def parse_cache_size(text: str) -> tuple[int | None, float | None]:
+    """`--cache-size`: (bytes, None) for a size, (None, fraction) for a share of free space."""
+    t = text.strip()
+    if t.endswith("%"):
+        try:
+            pct = float(t[:-1])
+        except ValueError:
+            pct = -1.0
+        if not 0 <= pct <= 100:
+            raise FanstoreError(f"bad cache size {text!r} (a percentage is 0% to 100%)")
+        return None, pct / 100
+    return parse_size(t), None
 
 
 @dataclass(frozen=True)
@@ -54,14 +84,22 @@ class Settings:
     mpi_inline: int = 1
     mpi_backoff: float = 2.0
     mpi_doorbell: int = 1
+    cache_size: str = "50%"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if env is None else env
-        values: dict[str, int | float] = {}
+        values: dict[str, int | float | str] = {}
         for f in fields(cls):
             raw = env.get(_ENV[f.name])
             if raw is None or raw == "":
+                continue
+            if f.type in (str, "str"):
+                try:  # the one string knob: a bad value fails here, in one line
+                    parse_cache_size(raw)
+                except FanstoreError as e:
+                    raise FanstoreError(f"{_ENV[f.name]}={raw!r}: {e}") from None
+                values[f.name] = raw
                 continue
             kind = int if f.type in (int, "int") else float
             try:

@@ -152,6 +152,10 @@ def mount(
         None, "--write-quota", help="bytes files written into the mount may take per node (10G)"
     ),
     read_only: bool = typer.Option(False, "--read-only", help="refuse all writes (EROFS)"),
+    cache_size: str | None = typer.Option(
+        None, "--cache-size", help="disk cache of blobs read from other nodes: 10G, 500M, a share "
+        "of the local dir's free space (50%, the default; $FANSTORE_CACHE_SIZE), 0 = off",
+    ),
     stage_out: str | None = typer.Option(
         None, "--stage-out", help="where `umount` (and the SLURM epilog) saves written files"
     ),
@@ -172,12 +176,21 @@ def mount(
     """
     if not mpi and ready_fd is None:  # once, by the command the user ran
         _warn_widened(dest)
+    if cache_size is not None:
+        from ._settings import parse_cache_size
+
+        try:
+            parse_cache_size(cache_size)
+        except FanstoreError as e:
+            _fail(str(e))
     multi = not mpi and (ranks is not None or bool(join) or bool(os.environ.get("SLURM_JOB_ID")))
     if multi or not foreground:
         # The daemon(s) run this same command in the foreground, with the same options.
         argv = ["mount", dest, mountpoint, "--foreground", *_write_args(write_quota, read_only)]
         if stage_out:
             argv += ["--stage-out", os.path.abspath(stage_out)]
+        if cache_size is not None:
+            argv += ["--cache-size", cache_size]
         if local:
             argv += ["--local", local]
         for o in option:
@@ -222,7 +235,7 @@ def mount(
         replicas=replicas, warm_metadata=warm_metadata, peer_timeout=peer_timeout,
         writable=not read_only, write_quota=_parse_size(write_quota),
         progress_file=progress_file, join=join, node_index=node_index, nodes=nodes,
-        join_timeout=join_timeout, stage_out=stage_out,
+        join_timeout=join_timeout, stage_out=stage_out, cache_size=cache_size,
     )
     raise typer.Exit(serve(cfg))
 
@@ -238,12 +251,12 @@ def _warn_widened(dest: str) -> None:
 def _parse_size(text: str | None) -> int | None:
     if text is None:
         return None
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    from ._settings import parse_size
+
     try:
-        return int(float(t.rstrip("KMGT")) * mult)
-    except ValueError:
-        _fail(f"bad size {text!r} (use e.g. 500M or 10G)")
+        return parse_size(text)
+    except FanstoreError as e:
+        _fail(str(e))
         raise
 
 

@@ -1,0 +1,109 @@
+"""Second epoch from the disk cache of remote blobs: ``python -m bench.epoch2 [--files N]``.
+
+Issue 11's bar: the second epoch over a 2-rank mount with the disk cache on reads at >= 0.9x the
+files/s of a 1-rank (all local) mount, one reader, small incompressible files of 90-130 KB (the
+tree and prep of bench/cost.py). Both mounts are up at once, each with a 1 MiB in-memory blob
+cache (`FANSTORE_CACHE_BYTES`), so every pass reaches the blob source, and every pass is cold
+(`drop_caches`). The 2-rank mount first reads one epoch through rank 0 (half the files are held
+by rank 1: fetched over MPI and written to rank 0's disk cache); then the passes alternate,
+1 rank then 2 ranks, `--rounds` times; the median pass of each is reported, with the daemons' CPU
+time per file (bench.cost's measurement: user+sys of every process of the mount) and rank 0's
+disk-cache counters from `status`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from ._fanstore import cli_command
+from ._util import REPO, log, rm_rf, run_cmd, teardown_all
+from .cost import Fan, make_tree, measure_fan, median
+
+BAR = 0.9
+ENV = {"FANSTORE_CACHE_BYTES": str(1 << 20)}
+
+
+def disk_cache(fan: Fan) -> dict:
+    """Rank 0's disk-cache counters (`status`)."""
+    st = json.loads(os.getxattr(fan.mps[0], "user.fanstore.status"))
+    return st["ranks"][0].get("disk_cache", {})
+
+
+def run(work: Path, rels: list[str], dest: Path, rounds: int) -> dict:
+    one = Fan(work, dest, "e1", 1, ["--read-only"], ENV)
+    two = Fan(work, dest, "e2", 2, ["--read-only", "--cache-size", "50%"], ENV)
+    res: dict = {"command_1rank": one.command, "command_2ranks": two.command}
+    res["epoch1_2ranks"] = measure_fan(two, two.mps[0], rels, cold=True)
+    res["cache_after_epoch1"] = disk_cache(two)
+    runs: dict[str, list[dict]] = {"local_1rank": [], "epoch2_2ranks": []}
+    for _ in range(rounds):
+        runs["local_1rank"].append(measure_fan(one, one.mps[0], rels, cold=True))
+        runs["epoch2_2ranks"].append(measure_fan(two, two.mps[0], rels, cold=True))
+    for k, v in runs.items():
+        res[k] = median(v)
+        res[f"{k}_runs"] = [round(d["files_per_s"]) for d in v]
+    res["cache_after"] = disk_cache(two)
+    return res
+
+
+def print_report(res: dict) -> None:
+    print(f"\nEPOCH 2 from the disk cache, one reader, {res['files']} files of 90-130 KB, cold "
+          f"passes (load average {res['loadavg_start'][0]:.1f} -> {res['loadavg_end'][0]:.1f})")
+    print(f"  {'':34} {'files/s':>9} {'p50 us':>8} {'p99 us':>8} {'CPU us/file':>12}")
+    for label, key in (("1 rank, all local", "local_1rank"),
+                       ("2 ranks, epoch 1 (half remote)", "epoch1_2ranks"),
+                       ("2 ranks, epoch 2 (disk cache)", "epoch2_2ranks")):
+        d = res[key]
+        print(f"  {label:34} {d['files_per_s']:>9,.0f} {d['p50_us']:>8,.0f} {d['p99_us']:>8,.0f} "
+              f"{d['cpu_us_per_file']:>12,.0f}")
+    print(f"  files/s per pass: 1 rank {res['local_1rank_runs']}, "
+          f"2 ranks epoch 2 {res['epoch2_2ranks_runs']}")
+    c0, c1 = res["cache_after_epoch1"], res["cache_after"]
+    print(f"  rank 0 disk cache after epoch 1: {c0}")
+    print(f"  epoch-2 passes: {c1.get('hits', 0) - c0.get('hits', 0):,} hits, "
+          f"{c1.get('misses', 0) - c0.get('misses', 0):,} misses")
+    lo, e2 = res["local_1rank"], res["epoch2_2ranks"]
+    ratio = e2["files_per_s"] / lo["files_per_s"]
+    cpu = e2["cpu_us_per_file"] / lo["cpu_us_per_file"]
+    verdict = "PASS" if ratio >= BAR else "MISS"
+    print(f"  epoch 2 over 2 ranks / 1 rank all local: {ratio:.2f}x files/s (bar >= {BAR}x: "
+          f"{verdict}); daemon CPU per file {cpu:.2f}x")
+    res["ratio"], res["cpu_ratio"], res["verdict"] = ratio, cpu, verdict
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.epoch2", description=__doc__.split("\n")[0])
+    ap.add_argument("--files", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating cold passes per mount")
+    ap.add_argument("--work", default="/tmp/fanstore-bench-epoch2")
+    ap.add_argument("--json", default=str(REPO / "bench" / "out" / "epoch2.json"))
+    args = ap.parse_args(argv)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    src, dest = work / "src", work / "dest"
+    rels = make_tree(src, args.files)
+    cmd, cenv, why = cli_command()
+    if cmd is None:
+        raise SystemExit(why)
+    rm_rf(dest)
+    run_cmd([*cmd, "prep", str(src), str(dest), "--partitions", "8", "--codec", "zstd", "--quiet"],
+            env={**os.environ, **cenv})
+    res: dict = {"files": len(rels), "loadavg_start": os.getloadavg()}
+    try:
+        res.update(run(work, rels, dest, args.rounds))
+    finally:
+        for p in teardown_all():
+            log(f"teardown: {p}")
+    res["loadavg_end"] = os.getloadavg()
+    print_report(res)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
