@@ -375,12 +375,14 @@ def status(
             ("local reads", "local_reads"), ("remote reads", "remote_reads"),
             ("remote bytes", "remote_bytes"), ("MPI bytes in", "mpi_bytes_received"),
             ("cache hits", "cache_hits"), ("in flight", "requests_in_flight"),
+            ("disk cache bytes", "disk_cache_bytes"), ("disk cache hits", "disk_cache_hits"),
             ("errors", "errors"), ("bytes written", "bytes_written")]
     table = Table(title=f"fanstore-fuse status: {mountpoint}")
     for title, _ in cols:
         table.add_column(title, justify="right")
     for r in data.get("ranks", []):
-        flat = {**r, **r.get("stats", {}), **(r.get("writes") or {})}
+        flat = {**r, **r.get("stats", {}), **(r.get("writes") or {}),
+                **{f"disk_cache_{k}": v for k, v in (r.get("disk_cache") or {}).items()}}
         table.add_row(*(f"{flat[k]:,}" if isinstance(flat.get(k), int) else str(flat.get(k, "-"))
                         for _, k in cols))
     Console().print(table)
