@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import trio
 
 from . import _stageout_all as stageout_all
@@ -73,6 +74,8 @@ class CachingBlobSource:
         self.sizes = sizes
         self.threshold = threshold
         self._limiter = trio.CapacityLimiter(max(2, (os.cpu_count() or 1) * 2))
+        # 0 not asked yet, 1 held here, 2 held elsewhere: `held` (a ring lookup, ~6 us) once per blob
+        self._where = np.zeros(len(sizes), dtype=np.uint8)
 
     async def fetch(self, blob: int) -> bytes:
         cache = self.cache
@@ -82,9 +85,12 @@ class CachingBlobSource:
                 data = await trio.to_thread.run_sync(cache.read, blob, limiter=self._limiter)
             if isinstance(data, bytes):
                 return data
-        elif self.held(blob):
-            return await self.inner.fetch(blob)
         else:
+            where = self._where[blob]
+            if not where:
+                where = self._where[blob] = 1 if self.held(blob) else 2
+            if where == 1:
+                return await self.inner.fetch(blob)
             cache.miss()
         data = await self.inner.fetch(blob)
         cache.put(blob, data)

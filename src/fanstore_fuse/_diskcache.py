@@ -166,34 +166,39 @@ class DiskCache:
             seg.pins += 1
         n = self._sizes[blob]
         try:
-            buf = bytearray(n)
-            if nowait and self._nowait:
-                try:
-                    got = os.preadv(seg.fd, [buf], off, os.RWF_NOWAIT)
-                except BlockingIOError:
+            if nowait:
+                data = self._read_nowait(seg.fd, n, off)
+                if data is None:
                     return BLOCKED
-                except OSError as e:
-                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                        raise
-                    self._nowait = False
-                    return BLOCKED
-                if got != n:
-                    return BLOCKED  # partly cached; a blocking read will tell
-            elif nowait:
-                return BLOCKED
             else:
-                got = os.preadv(seg.fd, [buf], off)
-            data = bytes(buf)
+                data = os.pread(seg.fd, n, off)
         except OSError as e:
             self._drop(blob, seg, f"read failed ({e.strerror})")
             return None
         finally:
             self._unpin(seg)
+        got = len(data)
         if got != n or checksum(data) != self._digests[blob]:
             self._drop(blob, seg, "xxh3 checksum mismatch" if got == n else "entry truncated")
             return None
         self.hits += 1
         return data
+
+    def _read_nowait(self, fd: int, n: int, off: int) -> bytes | None:
+        """The bytes if the page cache holds them all, else None at once (RWF_NOWAIT)."""
+        if not self._nowait:
+            return None
+        buf = bytearray(n)
+        try:
+            got = os.preadv(fd, [buf], off, os.RWF_NOWAIT)
+        except BlockingIOError:
+            return None
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            self._nowait = False
+            return None
+        return bytes(buf) if got == n else None  # partly cached: a blocking read will tell
 
     def _unpin(self, seg: _Segment) -> None:
         with self._lock:
