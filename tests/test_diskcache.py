@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from _harness import build_tree, prep_cli, snapshot, status_ranks
+from _harness import build_tree, prep_cli, run_cli, snapshot, status_ranks
 
 from fanstore_fuse import PrepOptions, prep
 from fanstore_fuse._blobstore import BlobStore
@@ -64,6 +64,18 @@ def test_sizes_and_settings():
     assert Settings.from_env({"FANSTORE_CACHE_SIZE": "0"}).cache_size == "0"
     with pytest.raises(FanstoreError, match="FANSTORE_CACHE_SIZE"):
         Settings.from_env({"FANSTORE_CACHE_SIZE": "lots"})
+
+
+def test_bad_cache_size_is_one_line_and_mounts_nothing(small_dest, tmp_path, state_dir):
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    env = {**os.environ, "FANSTORE_STATE_DIR": str(state_dir)}
+    r = run_cli("mount", small_dest, mp, "--cache-size", "lots", env=env, check=False)
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines() == ["fanstore-fuse: bad size 'lots' (use e.g. 500M or 10G)"]
+    r = run_cli("mount", small_dest, mp, "--cache-size", "120%", env=env, check=False)
+    assert r.returncode != 0 and "a percentage is 0% to 100%" in r.stderr
+    assert os.listdir(mp) == [] and not os.path.ismount(mp)
 
 
 def test_limit_from_free_space(tmp_path):
