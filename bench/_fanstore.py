@@ -114,7 +114,9 @@ class FanStore(System):
             loc_arg = str(self.work / f"local-{tag}" / "{rank}")
             mps = [mp_arg.format(rank=r) for r in range(self.ranks)]
             locs = [loc_arg.format(rank=r) for r in range(self.ranks)]
-            extra = ["--ranks", str(self.ranks), *self.read_only]
+            # no disk cache of remote blobs: repeated cold reads must stay remote reads (the
+            # second epoch from the cache is bench/epoch2.py's)
+            extra = ["--ranks", str(self.ranks), "--cache-size", "0", *self.read_only]
         for d in mps:
             Path(d).mkdir(parents=True, exist_ok=True)
         for d in locs:

@@ -66,6 +66,20 @@ def make_tree(src: Path, n: int, seed: int = 11) -> list[str]:
     return rels
 
 
+def prep_tree(work: Path, n: int) -> tuple[Path, Path, list[str]]:
+    """`make_tree` under WORK/src, then a fresh zstd prep of it into WORK/dest (8 partitions)."""
+    work.mkdir(parents=True, exist_ok=True)
+    src, dest = work / "src", work / "dest"
+    rels = make_tree(src, n)
+    cmd, cenv, why = cli_command()
+    if cmd is None:
+        raise SystemExit(why)
+    rm_rf(dest)
+    run_cmd([*cmd, "prep", str(src), str(dest), "--partitions", "8", "--codec", "zstd", "--quiet"],
+            env={**os.environ, **cenv})
+    return src, dest, rels
+
+
 def read_files(root: str, rels: list[str]) -> list[float]:
     """Read each file whole with one reader; seconds per file (open to close)."""
     out = []
@@ -295,7 +309,9 @@ def run_remote(work: Path, dest: Path, rels: list[str], envs: list[dict], rounds
     """Remote-only reads through rank 0 of 2, one mount per daemon environment, all mounted at
     once and read in interleaved cold passes (a 1 MiB blob cache: every pass fetches again);
     the pass with the median CPU per file of each."""
-    fans = [Fan(work, dest, f"r2e{i}", 2, ["--read-only"], {**env, "FANSTORE_CACHE_BYTES": "1048576"})
+    # the disk cache of remote blobs off: every pass must fetch remotely (bench.epoch2 has it on)
+    fans = [Fan(work, dest, f"r2e{i}", 2, ["--read-only"],
+                {"FANSTORE_CACHE_BYTES": "1048576", "FANSTORE_CACHE_SIZE": "0", **env})
             for i, env in enumerate(envs)]
     try:
         runs: list[list[dict]] = [[] for _ in fans]
@@ -350,16 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="py-spy the remote read (extra run)")
     args = ap.parse_args(argv)
     work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    src, dest = work / "src", work / "dest"
-    rels = make_tree(src, args.files)
+    src, dest, rels = prep_tree(work, args.files)
     res: dict = {"files": len(rels), "loadavg_start": os.getloadavg()}
-    cmd, cenv, why = cli_command()
-    if cmd is None:
-        raise SystemExit(why)
-    rm_rf(dest)
-    run_cmd([*cmd, "prep", str(src), str(dest), "--partitions", "8", "--codec", "zstd", "--quiet"],
-            env={**os.environ, **cenv})
     try:
         # the default (writable) mount, the same with every close flushed, and --read-only:
         # all mounted, warm passes interleaved

@@ -24,10 +24,9 @@ import random
 import sys
 from pathlib import Path
 
-from ._fanstore import cli_command
 from ._profile import Profiler, daemon_pids, summarize
-from ._util import REPO, drop_caches, log, rm_rf, run_cmd, teardown_all
-from .cost import Fan, make_tree, measure_fan, median, read_files, remote_to_rank0
+from ._util import REPO, drop_caches, log, teardown_all
+from .cost import Fan, measure_fan, median, prep_tree, read_files, remote_to_rank0
 
 BAR = 0.9
 ENV = {"FANSTORE_CACHE_BYTES": str(1 << 20)}
@@ -137,15 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=str(REPO / "bench" / "out" / "epoch2.json"))
     args = ap.parse_args(argv)
     work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    src, dest = work / "src", work / "dest"
-    rels = make_tree(src, args.files)
-    cmd, cenv, why = cli_command()
-    if cmd is None:
-        raise SystemExit(why)
-    rm_rf(dest)
-    run_cmd([*cmd, "prep", str(src), str(dest), "--partitions", "8", "--codec", "zstd", "--quiet"],
-            env={**os.environ, **cenv})
+    _, dest, rels = prep_tree(work, args.files)
     res: dict = {"files": len(rels), "loadavg_start": os.getloadavg()}
     try:
         res.update(run(work, rels, dest, args.rounds, args.profile))
