@@ -57,6 +57,43 @@ def profile(work: Path, fans: dict[str, Fan], rels: list[str]) -> dict:
     return out
 
 
+def micro(work: Path, dest: Path, rounds: int) -> dict:
+    """In process, no FUSE: cold reads in a shuffled order of every other blob through
+    `BlobStore.raw` (a staged blob: pread, decode, xxh3) and through `DiskCache.read` (a cached
+    one: pread, xxh3), CPU (process time) and wall time per blob, passes alternating."""
+    import time
+
+    from fanstore_fuse._blobstore import BlobStore
+    from fanstore_fuse._diskcache import DiskCache
+    from fanstore_fuse._format import MANIFEST_NAME, read_manifest
+
+    m = read_manifest(str(dest / MANIFEST_NAME))
+    store = BlobStore(m, str(dest))
+    ids = list(range(0, m.n_blobs, 2))
+    cache = DiskCache(str(work / "micro-cache"), 1 << 30, m.blobs["raw"], m.blobs["xxh3"])
+    out: dict = {"blobs": len(ids), "store_raw": [], "cache_read": []}
+    try:
+        for b in shuffled(ids, 0):
+            cache.put(b, store.raw(b))
+        cache.flush()
+        os.sync()
+        for i in range(rounds):
+            order = shuffled(ids, i + 1)
+            for key, fn in (("store_raw", store.raw), ("cache_read", cache.read)):
+                drop_caches()
+                c0, t0 = time.process_time(), time.perf_counter()
+                for b in order:
+                    fn(b)
+                c1, t1 = time.process_time(), time.perf_counter()
+                out[key].append((round((c1 - c0) / len(ids) * 1e6), round((t1 - t0) / len(ids) * 1e6)))
+    finally:
+        cache.close()
+        store.close()
+    print(f"\nIN PROCESS, cold shuffled reads of {len(ids):,} blobs, (CPU us, wall us) per blob and pass:"
+          f"\n  BlobStore.raw  {out['store_raw']}\n  DiskCache.read {out['cache_read']}")
+    return out
+
+
 def run(work: Path, rels: list[str], dest: Path, rounds: int, prof: bool = False) -> dict:
     one = Fan(work, dest, "e1", 1, ["--read-only"], ENV)
     two = Fan(work, dest, "e2", 2, ["--read-only", "--cache-size", "50%"], ENV)
@@ -133,10 +170,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="alternating cold passes per mount")
     ap.add_argument("--work", default="/tmp/fanstore-bench-epoch2")
     ap.add_argument("--profile", action="store_true", help="py-spy rank 0 (extra passes)")
+    ap.add_argument("--micro", action="store_true",
+                    help="only the in-process comparison of a cached and a staged blob read")
     ap.add_argument("--json", default=str(REPO / "bench" / "out" / "epoch2.json"))
     args = ap.parse_args(argv)
     work = Path(args.work)
     _, dest, rels = prep_tree(work, args.files)
+    if args.micro:
+        micro(work, dest, args.rounds)
+        return 0
     res: dict = {"files": len(rels), "loadavg_start": os.getloadavg()}
     try:
         res.update(run(work, rels, dest, args.rounds, args.profile))
