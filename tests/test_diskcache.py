@@ -127,6 +127,25 @@ def test_round_trip_private_files_and_counters(tmp_path):
     assert _segments(d) == []
 
 
+def test_leftover_segments_are_removed_and_a_bad_dir_means_no_cache(tmp_path):
+    blobs = _blobs(3)
+    d = tmp_path / "cache"
+    d.mkdir()
+    (d / "seg-000000000001.fsc").write_bytes(segment_header(1) + b"stale")
+    cache = _cache(d, blobs, 1 << 20)
+    try:
+        _fill(cache, blobs, range(3))
+        assert [cache.read(i) for i in range(3)] == blobs
+    finally:
+        cache.close()
+    (tmp_path / "file").write_bytes(b"")
+    cache = _cache(tmp_path / "file" / "cache", blobs, 1 << 20)  # cannot be made: off
+    assert cache.status()["disabled"] == 1
+    cache.put(0, blobs[0])
+    assert cache.flush() and cache.read(0) is None and cache.status()["skipped"] == 1
+    cache.close()
+
+
 def test_eviction_drops_the_oldest_segment_first(tmp_path):
     blobs = _blobs(40, size=1000)
     d = tmp_path / "cache"

@@ -89,6 +89,14 @@ def segment_bytes_for(limit: int) -> int:
     return max(1, min(limit, max(1 << 20, min(256 << 20, limit // 16))))
 
 
+def _clear(directory: str) -> None:
+    """Make the cache directory (0700), removing segments a killed daemon may have left."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    for name in os.listdir(directory):
+        if name.startswith("seg-") and name.endswith(".fsc"):
+            os.unlink(os.path.join(directory, name))
+
+
 class _Segment:
     __slots__ = ("number", "fd", "path", "size", "entries", "pins", "doomed")
 
@@ -135,7 +143,12 @@ class DiskCache:
         self._idle.set()
         self._thread: threading.Thread | None = None
         if not self.disabled:
-            os.makedirs(directory, mode=0o700, exist_ok=True)
+            try:
+                _clear(directory)
+            except OSError as e:  # a cache we cannot set up is no cache, not a failed mount
+                log.warning("disk cache: cannot use %s (%s); no disk cache", directory, e.strerror)
+                self.disabled, self.limit = True, 0
+                return
             self._thread = threading.Thread(target=self._writer, name="fanstore-diskcache",
                                             daemon=True)
             self._thread.start()
@@ -272,7 +285,11 @@ class DiskCache:
                 continue
             seen.add(blob)
             if seg is None:
-                seg = self._current()
+                try:
+                    seg = self._current()
+                except OSError as e:
+                    self._write_failed(e)
+                    return
             pending.append((blob, data))
             psize += len(data)
             if seg.size + psize >= self.segment_bytes:  # full: the next blob opens a new one
