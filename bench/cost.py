@@ -199,7 +199,9 @@ def run_large(work: Path, src: Path, rounds: int) -> dict:
                                        for d in runs]
     chunks = remote_chunks(ldest, rel)
     # a blob cache of 8 chunks: one smaller than a chunk would fetch the chunk again per 128 KiB read
-    fan = Fan(work, ldest, "l2", 2, ["--read-only"], {"FANSTORE_CACHE_BYTES": str(32 << 20)})
+    # no disk cache of remote blobs: every read of a chunk must travel (bench.epoch2 has it on)
+    fan = Fan(work, ldest, "l2", 2, ["--read-only"],
+              {"FANSTORE_CACHE_BYTES": str(32 << 20), "FANSTORE_CACHE_SIZE": "0"})
     try:
         path = os.path.join(fan.mps[0], rel)
         drop_caches()
