@@ -126,8 +126,12 @@ def compose(
     peer_timeout: float = 10.0,
     warm_metadata: bool = True,
     owner_uid: int | None = None,
+    cache_dir: str | None = None,
 ) -> Parts:
     """Build one rank's node, transport, handlers, shared writes and view (module docstring).
+
+    `cache_dir` is the rank's local dir, where the disk cache of blobs fetched from other ranks
+    lives (`LOCAL/cache`, sized by `settings.cache_size`); None (library callers): no cache.
 
     `dest` is where a blob is read when no rank has a good copy (several ranks only: with one
     rank the local copy *is* the staged DEST, and a bad copy reads EIO)."""
@@ -144,8 +148,8 @@ def compose(
     source: BlobSource = ClusterBlobSource(rank, placement, local, source_store, transport, stats,
                                            peer_timeout)
     disk_cache = None
-    if placement.nranks > 1:
-        disk_cache = open_disk_cache(manifest, store.local_dir, settings)
+    if placement.nranks > 1 and cache_dir is not None:
+        disk_cache = open_disk_cache(manifest, cache_dir, settings)
     if disk_cache is not None:
         source = CachingBlobSource(source, disk_cache, lambda b: placement.holds(rank, b),
                                    manifest.blobs["raw"], settings.thread_threshold)

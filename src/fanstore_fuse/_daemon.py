@@ -400,7 +400,7 @@ def serve(cfg: MountConfig) -> int:
         assert m.store is not None
         m.parts = compose(manifest, m.store, cfg.dest, placement, rank,
                           lambda table: open_transport(comm, table, settings), m.writes, settings,
-                          m.held, cfg.peer_timeout, cfg.warm_metadata)
+                          m.held, cfg.peer_timeout, cfg.warm_metadata, cache_dir=m.local)
         m.clock("compose")
         _mount(cfg, m, m.parts.view, settings)
         m.clock("fuse init")
