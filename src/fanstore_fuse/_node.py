@@ -318,8 +318,9 @@ class Node:
         chunk, frames = self.chunk, self.frames
         k0, k1 = off // chunk, (end - 1) // chunk
         first = rec.first
-        if frames is not None and frames.sequential(index, off, end):
-            frames = None  # a sequential reader: whole blobs, chunk read-ahead
+        if frames is not None and (not frames.usable(first + k0)
+                                   or frames.sequential(index, off, end)):
+            frames = None  # not framed here, or a sequential reader: whole blobs, read-ahead
         parts = []
         for k in range(k0, k1 + 1):
             base = k * chunk
