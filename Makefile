@@ -50,12 +50,14 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.run --full
+	$(PY) -m bench.fio --full
 
 bench-quick: $(STAMP)
 	$(PY) -m bench.run --quick
 	$(PY) -m bench.metadata_scale --files 2000 --files 10000
 	$(PY) -m bench.cost
 	$(PY) -m bench.epoch2
+	$(PY) -m bench.fio --quick --files rand --systems ext4,squashfuse,fanstore1
 
 # Metadata scale (issue 14): tiny-file trees; FILES="20000 128117" or up to 1281167 (minutes).
 FILES ?= 20000 128117

@@ -40,7 +40,7 @@ def test_prep_and_verify(src: Path, tmp_path: Path):
     assert "prepped 21 files" in r.stderr and "1 symlinks" in r.stderr and "4 partitions" in r.stderr
     m = read_manifest(dest / MANIFEST_NAME)
     assert m.options == {"codec": "zstd", "level": 5, "chunk_size": 1 << 20, "partitions": 3,
-                         "broadcast": ["val"]}
+                         "broadcast": ["val"], "frame_size": 128 << 10, "dict": "off"}
     assert [p.name for p in m.partitions if p.broadcast] == ["bcast-00003.fsp"]
     r = run_cli("verify", dest)
     assert r.stdout.strip().endswith(": OK")

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fanstore_fuse import ChecksumError, FormatError, Namespace, PrepOptions, prep, verify
+from fanstore_fuse._blobcodec import BlobCodec
 from fanstore_fuse._blobstore import BlobStore
 from fanstore_fuse._format import (
     _MANIFEST_HEADER,
@@ -31,7 +32,6 @@ from fanstore_fuse._format import (
     MANIFEST_NAME,
     PARTITION_DATA_START,
     SECTIONS,
-    BlobCodec,
     checksum,
     decode_manifest,
     encode_manifest,

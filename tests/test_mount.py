@@ -301,9 +301,11 @@ def test_corrupt_local_partition_gives_eio(src_tree: Path, tmp_path: Path, state
         data[off] ^= 0x40
         staged.write_bytes(bytes(data))  # same inode: the daemon's open fd sees it
         want = (src_tree / "big.bin").read_bytes()
-        # Chunk 0 is intact; any read touching chunk 1 fails with EIO, never wrong bytes.
+        # Chunk 0 is intact; any read touching the damaged 16 KiB sub-block of chunk 1 (the byte
+        # lies in its first one: a framed blob, docs/format.md) fails with EIO, never wrong bytes
+        # (tests/test_frames.py checks the other sub-blocks of such a chunk still read).
         assert _pread_all(m.path / "big.bin", 0, 4096) == want[:4096]
-        for off_read in (CHUNK, CHUNK + 999, 2 * CHUNK - 10):
+        for off_read in (CHUNK, CHUNK + 999, CHUNK + 16000):
             with pytest.raises(OSError) as ei:
                 _pread_all(m.path / "big.bin", off_read, 4096)
             assert ei.value.errno == errno.EIO

@@ -100,7 +100,8 @@ async def test_node_reads_across_chunks_and_reads_ahead(src_tree, tmp_path):
     from fanstore_fuse._node import LocalBlobSource, Node
 
     dest = tmp_path / "dest"
-    prep(src_tree, dest, PrepOptions(partitions=2, chunk_size=1 << 20))
+    # Whole-chunk blobs (no frames; tests/test_frames.py has the framed read path).
+    prep(src_tree, dest, PrepOptions(partitions=2, chunk_size=1 << 20, frame_size=0))
     m = read_manifest(dest / MANIFEST_NAME)
     store = BlobStore(m, str(dest))
     stats = Stats()

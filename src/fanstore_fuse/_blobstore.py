@@ -8,12 +8,16 @@ import os
 import threading
 from array import array
 from bisect import bisect_left
+from collections import OrderedDict
 from dataclasses import dataclass
 
+from ._blobcodec import BlobCodec, FrameTable, decode_frame, parse_table, table_bytes_needed
 from ._errors import ChecksumError
-from ._format import BlobCodec, Manifest
+from ._format import CODEC_FRAMED, Manifest, checksum
 
 log = logging.getLogger("fanstore_fuse.blobs")
+MAX_TABLES = 4096  # verified frame tables kept (a 4 MiB blob's: ~4 KiB at 16 KiB frames)
+_TABLE_PROBE = 4096  # first read of a frame table; a longer table takes a second read
 
 
 @dataclass
@@ -49,6 +53,8 @@ class BlobStore:
         self._fds: dict[int, int] = {}
         self._nowait = hasattr(os, "RWF_NOWAIT")
         self._lock = threading.Lock()
+        self._tables: OrderedDict[int, FrameTable] = OrderedDict()
+        self._tlock = threading.Lock()
 
     def where(self, blob: int) -> str:
         p = self._part[blob]
@@ -85,25 +91,22 @@ class BlobStore:
                     self._fds[part] = fd
         return fd
 
-    def stored(self, blob: int) -> bytes:
-        n = self._stored[blob]
+    def _pread(self, blob: int, n: int, off: int) -> bytes:
         try:
-            data = os.pread(self._fd(self._part[blob]), n, self._offset(blob))
+            data = os.pread(self._fd(self._part[blob]), n, off)
         except OSError as e:
             raise ChecksumError(f"{self.where(blob)}: read failed: {e.strerror}") from None
         if len(data) != n:
             raise ChecksumError(f"{self.where(blob)}: partition truncated")
         return data
 
-    def stored_if_cached(self, blob: int) -> bytes | None:
-        """The stored bytes if the page cache has them all (RWF_NOWAIT), else None at once:
-        lets the event loop read hot blobs inline and send cold ones to a thread."""
+    def _pread_nowait(self, blob: int, n: int, off: int) -> bytes | None:
+        """`n` bytes at `off` if the page cache has them all (RWF_NOWAIT), else None at once."""
         if not self._nowait:
             return None
-        n = self._stored[blob]
         buf = bytearray(n)
         try:
-            k = os.preadv(self._fd(self._part[blob]), [buf], self._offset(blob), os.RWF_NOWAIT)
+            k = os.preadv(self._fd(self._part[blob]), [buf], off, os.RWF_NOWAIT)
         except BlockingIOError:
             return None
         except OSError as e:
@@ -112,6 +115,93 @@ class BlobStore:
                 return None
             raise ChecksumError(f"{self.where(blob)}: read failed: {e.strerror}") from None
         return bytes(buf) if k == n else None
+
+    def stored(self, blob: int) -> bytes:
+        return self._pread(blob, self._stored[blob], self._offset(blob))
+
+    def stored_if_cached(self, blob: int) -> bytes | None:
+        """The stored bytes if the page cache has them all (RWF_NOWAIT), else None at once:
+        lets the event loop read hot blobs inline and send cold ones to a thread."""
+        return self._pread_nowait(blob, self._stored[blob], self._offset(blob))
+
+    # ------------------------------------------------------------ framed blobs (codec 3)
+
+    def codec_of(self, blob: int) -> int:
+        return self._codec[blob]
+
+    def known_table(self, blob: int) -> FrameTable | None:
+        """The verified frame table of a framed blob if already read, else None (no I/O)."""
+        with self._tlock:
+            t = self._tables.get(blob)
+            if t is not None:
+                self._tables.move_to_end(blob)
+            return t
+
+    def table(self, blob: int) -> FrameTable:
+        """The frame table of a framed blob, checked against the manifest's digest (blocking)."""
+        t = self.known_table(blob)
+        if t is not None:
+            return t
+        n, off, where = self._stored[blob], self._offset(blob), self.where(blob)
+        head = self._pread(blob, min(n, _TABLE_PROBE), off)
+        need = table_bytes_needed(head, n, where)
+        if need > len(head):
+            head = self._pread(blob, need, off)
+        t = parse_table(head, n, self._raw[blob], self._xxh[blob], where)
+        with self._tlock:
+            self._tables[blob] = t
+            while len(self._tables) > MAX_TABLES:
+                self._tables.popitem(last=False)
+        return t
+
+    def _decode_frames(
+        self, blob: int, t: FrameTable, k0: int, k1: int, data: bytes
+    ) -> list[bytes]:
+        mv, base, where = memoryview(data), t.offsets[k0], self.where(blob)
+        o = t.offsets
+        return [
+            decode_frame(t, k, mv[o[k] - base : o[k + 1] - base], where) for k in range(k0, k1 + 1)
+        ]
+
+    def frames(self, blob: int, k0: int, k1: int) -> list[bytes]:
+        """Frames k0..k1 of a framed blob, read with one pread, each verified (blocking)."""
+        t = self.table(blob)
+        rel, n = t.span(k0, k1)
+        return self._decode_frames(blob, t, k0, k1, self._pread(blob, n, self._offset(blob) + rel))
+
+    def _raw_slice(
+        self, blob: int, t: FrameTable, k0: int, k1: int, lo: int, hi: int, data: bytes
+    ) -> bytes:
+        """Bytes lo..hi of the blob from the stored bytes of raw frames k0..k1, each frame's
+        xxh3 checked first (no copy but the result)."""
+        mv, o = memoryview(data), t.offsets
+        base = o[k0]
+        for k in range(k0, k1 + 1):
+            if checksum(mv[o[k] - base : o[k + 1] - base]) != t.digests[k]:
+                raise ChecksumError(f"{self.where(blob)}: frame {k} xxh3 checksum mismatch")
+        a = lo - k0 * t.frame_size
+        return data if (a == 0 and hi - lo == len(data)) else bytes(mv[a : a + hi - lo])
+
+    def raw_range(self, blob: int, k0: int, k1: int, lo: int, hi: int) -> bytes:
+        """Bytes lo..hi of a framed blob whose frames k0..k1 (covering them) are stored raw:
+        one pread of those frames, each verified (blocking)."""
+        t = self.table(blob)
+        rel, n = t.span(k0, k1)
+        data = self._pread(blob, n, self._offset(blob) + rel)
+        return self._raw_slice(blob, t, k0, k1, lo, hi, data)
+
+    def raw_range_if_cached(
+        self, blob: int, t: FrameTable, k0: int, k1: int, lo: int, hi: int
+    ) -> bytes | None:
+        rel, n = t.span(k0, k1)
+        data = self._pread_nowait(blob, n, self._offset(blob) + rel)
+        return None if data is None else self._raw_slice(blob, t, k0, k1, lo, hi, data)
+
+    def frames_if_cached(self, blob: int, t: FrameTable, k0: int, k1: int) -> list[bytes] | None:
+        """`frames` without waiting on the disk: None when the bytes are not in the page cache."""
+        rel, n = t.span(k0, k1)
+        data = self._pread_nowait(blob, n, self._offset(blob) + rel)
+        return None if data is None else self._decode_frames(blob, t, k0, k1, data)
 
     def stored_into(self, blob: int, buf: memoryview, nowait: bool = False) -> bool:
         """Read the stored bytes of `blob` into `buf` (exactly its stored size), no extra copy.
@@ -141,6 +231,10 @@ class BlobStore:
         )
 
     def raw(self, blob: int) -> bytes:
+        if self._codec[blob] == CODEC_FRAMED:
+            t = self.table(blob)
+            if not any(t.zstd):  # raw sub-blocks: read them as they lie, check, no copy
+                return self.raw_range(blob, 0, t.count - 1, 0, t.raw_len)
         return self.decode(blob, self.stored(blob))
 
     def close(self) -> None:

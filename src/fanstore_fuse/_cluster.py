@@ -94,6 +94,10 @@ class ClusterBlobSource:
         self.timeout = timeout
         self.peers = _Peers()
 
+    def holds(self, blob: int) -> bool:
+        """This rank holds `blob` (the node then reads single frames of it from `local`)."""
+        return self.rank in self.placement.locate_data(blob)
+
     async def _decode(self, blob: int, stored: bytes | memoryview) -> bytes:
         if len(stored) >= self.local.threshold:
             return await trio.to_thread.run_sync(self.store.decode, blob, stored)

@@ -22,11 +22,11 @@ from typing import Any
 
 import msgpack
 import xxhash
-import zstandard
 
-from ._errors import ChecksumError, FormatError
+from ._errors import FormatError
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # written by this prep; 3 = 2 + codec 3 (framed blobs)
+READ_VERSIONS = (2, 3)  # manifests this build reads (version 2 has no framed blobs)
 MANIFEST_MAGIC = b"FSTRMANI"
 PARTITION_MAGIC = b"FSTRPART"
 MANIFEST_NAME = "manifest.fsm"
@@ -40,8 +40,9 @@ PARTITION_DATA_START = 64  # blobs start here; the header is padded to this size
 PARTITION_FLAG_BROADCAST = 1
 
 KIND_FILE, KIND_DIR, KIND_LINK = 0, 1, 2
-CODEC_RAW, CODEC_ZSTD, CODEC_ZSTD_DICT = 0, 1, 2
-CODEC_NAMES = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd", CODEC_ZSTD_DICT: "zstd+dict"}
+CODEC_RAW, CODEC_ZSTD, CODEC_ZSTD_DICT, CODEC_FRAMED = 0, 1, 2, 3
+CODEC_NAMES = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd", CODEC_ZSTD_DICT: "zstd+dict",
+               CODEC_FRAMED: "framed"}
 DEFAULT_CHUNK_SIZE = 4 << 20
 MAX_CHUNK_SIZE = 64 << 20
 # Partition files are named part-%05d.fsp / bcast-%05d.fsp (docs/format.md). Anything else could
@@ -121,6 +122,7 @@ class Manifest:
     links: Any
     blobs: dict[str, Any]
     zdict: bytes = b""
+    version: int = FORMAT_VERSION  # read: the file's; built: what write_manifest writes
     _checked: bool = field(default=False, repr=False)
     _keep: Any = field(default=None, repr=False)  # the mapping the columns view
     _total: int | None = field(default=None, repr=False)
@@ -163,7 +165,7 @@ class Manifest:
 def _meta(m: Manifest) -> bytes:
     return msgpack.packb(
         {
-            "format": FORMAT_VERSION,
+            "format": m.version,
             "dataset_id": m.dataset_id,
             "options": m.options,
             "partitions": [[p.name, p.size, p.broadcast] for p in m.partitions],
@@ -196,7 +198,9 @@ def manifest_sections(m: Manifest) -> list[Any]:
     ]
 
 
-def manifest_header(n_entries: int, n_blobs: int, sections: list[tuple[int, int]]) -> bytes:
+def manifest_header(
+    n_entries: int, n_blobs: int, sections: list[tuple[int, int]], version: int = FORMAT_VERSION
+) -> bytes:
     """Header + section table for sections of (length, padded xxh3), laid out back to back."""
     pos = _align8(_MANIFEST_HEADER.size + _SECTION.size * len(sections))
     table = bytearray()
@@ -204,7 +208,7 @@ def manifest_header(n_entries: int, n_blobs: int, sections: list[tuple[int, int]
         table += _SECTION.pack(pos, length, digest)
         pos = _align8(pos + length)
     head = _MANIFEST_HEADER.pack(
-        MANIFEST_MAGIC, FORMAT_VERSION, 0, len(sections), pos, n_entries, n_blobs, 0
+        MANIFEST_MAGIC, version, 0, len(sections), pos, n_entries, n_blobs, 0
     )[: _MANIFEST_HEADER.size - 8]
     digest = checksum(head + table)
     return head + struct.pack("<Q", digest) + bytes(table)
@@ -220,7 +224,8 @@ def section_digest(data: Any) -> int:
 def encode_manifest(m: Manifest) -> bytes:
     secs = manifest_sections(m)
     out = bytearray(
-        manifest_header(m.n_entries, m.n_blobs, [(len(s), section_digest(s)) for s in secs])
+        manifest_header(m.n_entries, m.n_blobs, [(len(s), section_digest(s)) for s in secs],
+                        m.version)
     )
     for s in secs:
         out += s
@@ -231,7 +236,9 @@ def encode_manifest(m: Manifest) -> bytes:
 def write_manifest(path: str | os.PathLike[str], m: Manifest) -> None:
     """Write `m` to `path` atomically, section by section (no second copy in memory)."""
     secs = manifest_sections(m)
-    head = manifest_header(m.n_entries, m.n_blobs, [(len(s), section_digest(s)) for s in secs])
+    head = manifest_header(
+        m.n_entries, m.n_blobs, [(len(s), section_digest(s)) for s in secs], m.version
+    )
     tmp = f"{os.fspath(path)}.tmp.{os.getpid()}"
     with open(tmp, "wb") as f:
         f.write(head)
@@ -320,16 +327,17 @@ def _header(buf: memoryview, size: int) -> tuple[int, int, list[tuple[int, int, 
     if bytes(buf[:8]) != MANIFEST_MAGIC:
         raise FormatError("not a fanstore-fuse manifest (bad magic)")
     (version,) = struct.unpack_from("<H", buf, 8)
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         hint = " (written by an older prep: re-run `fanstore-fuse prep`)" if version < 2 else ""
         raise FormatError(
-            f"manifest format version {version}, this build reads {FORMAT_VERSION}{hint}"
+            f"manifest format version {version}, this build reads {READ_VERSIONS[0]}.."
+            f"{READ_VERSIONS[-1]}{hint}"
         )
     if len(buf) < hs:
         raise FormatError("manifest is truncated (no header)")
     _, _, flags, nsec, claimed, n, nb, digest = _MANIFEST_HEADER.unpack_from(buf)
     if nsec != len(SECTIONS):
-        raise FormatError(f"manifest has {nsec} sections, version {FORMAT_VERSION} has {len(SECTIONS)}")
+        raise FormatError(f"manifest has {nsec} sections, version {version} has {len(SECTIONS)}")
     table_end = hs + nsec * _SECTION.size
     if len(buf) < table_end:
         raise FormatError("manifest is truncated (no section table)")
@@ -378,7 +386,7 @@ def _parse(buf: memoryview, mm: mmap.mmap | None) -> Manifest:
             raise FormatError(f"manifest checksum mismatch in section {name!r} (corrupt manifest)")
     sec = {name: buf[off : off + length] for name, (off, length, _) in zip(SECTIONS, table)}
     try:
-        m = _from_sections(sec)
+        m = _from_sections(sec, struct.unpack_from("<H", buf, 8)[0])
     except FormatError:
         raise
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
@@ -387,12 +395,12 @@ def _parse(buf: memoryview, mm: mmap.mmap | None) -> Manifest:
     return m
 
 
-def _from_sections(sec: dict[str, memoryview]) -> Manifest:
+def _from_sections(sec: dict[str, memoryview], version: int) -> Manifest:
     try:
         d = msgpack.unpackb(bytes(sec["meta"]), raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several types on garbage
         raise FormatError(f"manifest meta section is not valid msgpack: {e}") from None
-    if not isinstance(d, dict) or d.get("format") != FORMAT_VERSION:
+    if not isinstance(d, dict) or d.get("format") != version:
         got = d.get("format") if isinstance(d, dict) else d
         raise FormatError(f"manifest meta format {got!r} unsupported")
     raw_parts = d["partitions"]
@@ -412,6 +420,7 @@ def _from_sections(sec: dict[str, memoryview]) -> Manifest:
         links=sec["links"],
         blobs={k: sec[f"blobs.{k}"].cast(t) for k, t in BLOB_COLUMNS.items()},  # type: ignore[call-overload]
         zdict=bytes(sec["zdict"]),
+        version=version,
     )
 
 
@@ -435,9 +444,11 @@ def atomic_write(path: str | os.PathLike[str], data: bytes) -> None:
 # ---------------------------------------------------------------- partitions
 
 
-def partition_header(index: int, dataset_id: int, broadcast: bool) -> bytes:
+def partition_header(
+    index: int, dataset_id: int, broadcast: bool, version: int = FORMAT_VERSION
+) -> bytes:
     flags = PARTITION_FLAG_BROADCAST if broadcast else 0
-    h = _PARTITION_HEADER.pack(PARTITION_MAGIC, FORMAT_VERSION, flags, index, dataset_id, 0)
+    h = _PARTITION_HEADER.pack(PARTITION_MAGIC, version, flags, index, dataset_id, 0)
     return h.ljust(PARTITION_DATA_START, b"\0")
 
 
@@ -447,7 +458,7 @@ def check_partition_header(data: bytes, index: int, dataset_id: int, name: str) 
     magic, version, _flags, idx, ds, _ = _PARTITION_HEADER.unpack_from(data)
     if magic != PARTITION_MAGIC:
         raise FormatError(f"partition {name}: bad magic")
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:  # the dataset id ties it to its manifest's version
         raise FormatError(f"partition {name}: format version {version} unsupported")
     if idx != index or ds != dataset_id:
         raise FormatError(f"partition {name} belongs to another dataset or slot")
@@ -455,41 +466,3 @@ def check_partition_header(data: bytes, index: int, dataset_id: int, name: str) 
 
 def partition_name(index: int, broadcast: bool = False) -> str:
     return f"bcast-{index:05d}.fsp" if broadcast else f"part-{index:05d}.fsp"
-
-
-# ---------------------------------------------------------------- blobs
-
-
-class BlobCodec:
-    """Decode and verify stored blob bytes (thread-safe: one decompressor per call)."""
-
-    def __init__(self, zdict: bytes = b""):
-        self._zdict = zstandard.ZstdCompressionDict(zdict) if zdict else None
-
-    def decode(
-        self, stored: bytes | memoryview, codec: int, raw_len: int, digest: int, where: str
-    ) -> bytes:
-        if codec == CODEC_RAW:
-            raw = stored if isinstance(stored, bytes) else bytes(stored)
-        else:
-            # A frame that claims more than the recorded raw length (a zstd bomb) is refused
-            # before any output is allocated; without a content size the output is capped.
-            try:
-                claimed = zstandard.frame_content_size(stored)
-            except zstandard.ZstdError as e:
-                raise ChecksumError(f"{where}: corrupt compressed blob ({e})") from None
-            if claimed > raw_len:
-                raise ChecksumError(f"{where}: frame claims {claimed} bytes, expected {raw_len}")
-            try:
-                if codec == CODEC_ZSTD_DICT:
-                    d = zstandard.ZstdDecompressor(dict_data=self._zdict)
-                else:
-                    d = zstandard.ZstdDecompressor()
-                raw = d.decompress(stored, max_output_size=raw_len)
-            except zstandard.ZstdError as e:
-                raise ChecksumError(f"{where}: corrupt compressed blob ({e})") from None
-        if len(raw) != raw_len:
-            raise ChecksumError(f"{where}: decoded {len(raw)} bytes, expected {raw_len}")
-        if checksum(raw) != digest:
-            raise ChecksumError(f"{where}: xxh3 checksum mismatch")
-        return raw

@@ -11,20 +11,23 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import trio
 
+from ._blobcodec import FrameTable
 from ._blobstore import BlobStore
-from ._errors import FanstoreError
+from ._errors import ChecksumError, FanstoreError
 from ._namespace import Namespace, Record
 from ._settings import Settings
+from ._workers import WORKERS
 
 log = logging.getLogger("fanstore_fuse.node")
 
 _DEFAULT = Settings()  # the daemon passes its own (read from the environment once)
+INLINE_COLD = 64 << 10  # a cold raw-frame read this small runs inline when no other waits
 
 
 class BlobSource(Protocol):
@@ -41,6 +44,7 @@ class LocalBlobSource:
         self.stats = stats
         self.threshold = threshold
         self._limiter = trio.CapacityLimiter(max(2, (os.cpu_count() or 1) * 2))
+        self._busy = 0  # frame reads waiting in worker threads
 
     async def fetch(self, blob: int) -> bytes:
         self.stats.local_reads += 1
@@ -54,6 +58,49 @@ class LocalBlobSource:
             data = await trio.to_thread.run_sync(store.raw, blob, limiter=self._limiter)
         self.stats.local_bytes += len(data)
         return data
+
+    async def table(self, blob: int) -> FrameTable:
+        """The verified frame table of a framed blob (read once, then kept by the store)."""
+        t = self.store.known_table(blob)
+        if t is None:
+            t = await WORKERS.run(self.store.table, blob)
+        return t
+
+    async def read_raw(self, blob: int, k0: int, k1: int, lo: int, hi: int) -> bytes:
+        """Bytes lo..hi of a framed blob from its raw frames k0..k1, verified, not cached."""
+        store = self.store
+        t = await self.table(blob)
+        out = None
+        n = t.span(k0, k1)[1]
+        if n <= INLINE_COLD and not self._busy:
+            # Nothing else waits on the disk: a small read costs less inline (a cold 16 KiB
+            # pread) than a thread hop (docs/performance.md, "Random access").
+            out = store.raw_range(blob, k0, k1, lo, hi)
+        elif n < self.threshold:
+            out = store.raw_range_if_cached(blob, t, k0, k1, lo, hi)
+        if out is None:
+            self._busy += 1
+            try:
+                out = await WORKERS.run(store.raw_range, blob, k0, k1, lo, hi)
+            finally:
+                self._busy -= 1
+        self.stats.local_reads += 1
+        self.stats.local_bytes += len(out)
+        return out
+
+    async def fetch_frames(self, blob: int, k0: int, k1: int) -> list[bytes]:
+        """Frames k0..k1 of a framed blob, verified: one pread, inline when the page cache
+        has a small span, else in a worker thread."""
+        store = self.store
+        t = await self.table(blob)
+        out = None
+        if t.span(k0, k1)[1] < self.threshold:
+            out = store.frames_if_cached(blob, t, k0, k1)
+        if out is None:
+            out = await WORKERS.run(store.frames, blob, k0, k1)
+        self.stats.local_reads += 1
+        self.stats.local_bytes += sum(map(len, out))
+        return out
 
 
 @dataclass
@@ -75,7 +122,8 @@ class Stats:
 
 
 class _Fetch:
-    """One fetch in flight: readers of the same blob wait on it and share its outcome."""
+    """One fetch in flight: readers of the same key wait on it and share its outcome (no
+    error and no data: the waiters fetch again themselves)."""
 
     __slots__ = ("done", "error")
 
@@ -85,24 +133,57 @@ class _Fetch:
 
 
 class BlobCache:
-    """LRU of decoded blobs bounded by bytes; one fetch per blob however many readers wait.
+    """LRU of decoded blobs (or frames: any hashable key) bounded by bytes; one fetch per key
+    however many readers wait.
 
     A failed fetch's error goes to the readers that waited on that fetch only; the next read
     of the blob starts a new fetch.
     """
 
-    def __init__(self, fetch: Callable[[int], Awaitable[bytes]], stats: Stats, limit: int):
+    def __init__(self, fetch: Callable[[Hashable], Awaitable[bytes]], stats: Stats, limit: int):
         self._fetch = fetch
         self._stats = stats
         self._limit = limit
-        self._data: OrderedDict[int, bytes] = OrderedDict()
+        self._data: OrderedDict[Hashable, bytes] = OrderedDict()
         self._bytes = 0
-        self._pending: dict[int, _Fetch] = {}
+        self._pending: dict[Hashable, _Fetch] = {}
 
-    def peek(self, blob: int) -> bool:
+    def room(self, n: int) -> bool:
+        """`n` more bytes fit without evicting anything."""
+        return self._bytes + n <= self._limit
+
+    def peek(self, blob: Hashable) -> bool:
         return blob in self._data or blob in self._pending
 
-    async def get(self, blob: int) -> bytes:
+    async def fill(
+        self, keys: list[Hashable], fetch_many: Callable[[int, int], Awaitable[list[bytes]]]
+    ) -> None:
+        """Fetch the keys[a..z] run around every key neither cached nor in flight with one
+        `fetch_many(a, z)` call. A failure is dropped: each reader then fetches its own key
+        (so one bad frame fails only the reads that cover it)."""
+        todo = [i for i, k in enumerate(keys) if not self.peek(k)]
+        if not todo:
+            return
+        a, z = todo[0], todo[-1]
+        mine = {keys[i]: _Fetch() for i in range(a, z + 1) if not self.peek(keys[i])}
+        self._pending.update(mine)
+        self._stats.cache_misses += len(mine)
+        self._stats.in_flight += 1
+        got: list[bytes] = []
+        try:
+            got = await fetch_many(a, z)
+        except FanstoreError:
+            pass
+        finally:
+            self._stats.in_flight -= 1
+            for i, data in enumerate(got, a):
+                if keys[i] in mine:
+                    self._insert(keys[i], data)
+            for k, f in mine.items():
+                del self._pending[k]
+                f.done.set()
+
+    async def get(self, blob: Hashable) -> bytes:
         while True:
             data = self._data.get(blob)
             if data is not None:
@@ -131,7 +212,7 @@ class BlobCache:
         self._insert(blob, data)
         return data
 
-    def _insert(self, blob: int, data: bytes) -> None:
+    def _insert(self, blob: Hashable, data: bytes) -> None:
         if len(data) > self._limit:
             return
         self._data[blob] = data
@@ -181,10 +262,22 @@ class Node:
         self.meta: Metadata = meta or LocalMetadata(ns)
         self.stats = stats or Stats()
         self.source = source
-        self.cache = BlobCache(source.fetch, self.stats, cache_bytes)
+        self.cache = BlobCache(source.fetch, self.stats, cache_bytes)  # type: ignore[arg-type]
         self.chunk = int(ns.m.options.get("chunk_size", 4 << 20))
         self.readahead = readahead
         self._nursery: trio.Nursery | None = None
+        # Partial reads of framed blobs held on this node (see _frameread.py); a cluster
+        # source lends its local source and says which blobs this rank holds.
+        self.frames = None
+        local: Any = source if hasattr(source, "fetch_frames") else getattr(source, "local", None)
+        if local is not None and hasattr(local, "fetch_frames"):
+            from ._frameread import FrameReader
+
+            self.frames = FrameReader(
+                local, ns.m.blobs["codec"], self.stats, cache_bytes // 4,
+                holds=getattr(source, "holds", None),
+            )
+        self._fallback = local is not source  # another copy may exist: retry whole blobs
 
     def attach(self, nursery: trio.Nursery) -> None:
         """Give the node a nursery for background read-ahead."""
@@ -222,23 +315,32 @@ class Node:
         if off >= rec.size or size <= 0:
             return b""
         end = min(rec.size, off + size)
-        chunk = self.chunk
+        chunk, frames = self.chunk, self.frames
         k0, k1 = off // chunk, (end - 1) // chunk
         first = rec.first
-        if k0 == k1:
-            data = await self.cache.get(first + k0)
-            base = k0 * chunk
-            out = data if (off == base and end - base == len(data)) else data[off - base : end - base]
-        else:
-            parts = []
-            for k in range(k0, k1 + 1):
-                data = await self.cache.get(first + k)
-                base = k * chunk
-                parts.append(data[max(off, base) - base : min(end, base + len(data)) - base])
-            out = b"".join(parts)
+        if frames is not None and (not frames.usable(first + k0)
+                                   or frames.sequential(index, off, end)):
+            frames = None  # not framed here, or a sequential reader: whole blobs, read-ahead
+        parts = []
+        for k in range(k0, k1 + 1):
+            base = k * chunk
+            lo, hi = max(off, base) - base, min(end, base + chunk) - base
+            if frames is not None and frames.usable(first + k) and not self.cache.peek(first + k):
+                try:  # only the frames asked for
+                    parts.append(await frames.read(first + k, lo, hi))
+                    if (frames.promote(first + k) and self._nursery is not None
+                            and self.cache.room(self.ns.m.blobs["raw"][first + k])):
+                        self._nursery.start_soon(self._prefetch, first + k)
+                    continue
+                except ChecksumError:
+                    if not self._fallback:
+                        raise
+                    log.error("blob %d: bad local frame, fetching the whole blob", first + k)
+            parts.append((await self.cache.get(first + k))[lo:hi])
+        out = parts[0] if len(parts) == 1 else b"".join(parts)
         if self._nursery is not None and self.readahead and rec.count > 1:
             for k in range(k1 + 1, min(rec.count, k1 + 1 + self.readahead)):
-                if not self.cache.peek(first + k):
+                if not self.cache.peek(first + k) and not (frames and frames.usable(first + k)):
                     self._nursery.start_soon(self._prefetch, first + k)
         return out
 

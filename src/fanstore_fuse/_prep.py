@@ -20,11 +20,15 @@ from typing import TypeVar
 
 import zstandard
 
+from . import _blobcodec, _zdict
+from ._blobcodec import DEFAULT_FRAME_SIZE, MIN_FRAME, RAW_FRAME_SIZE
 from ._errors import FanstoreError
 from ._format import (
     BLOB_COLUMNS,
+    CODEC_FRAMED,
     CODEC_RAW,
     CODEC_ZSTD,
+    CODEC_ZSTD_DICT,
     DEFAULT_CHUNK_SIZE,
     KIND_DIR,
     KIND_FILE,
@@ -60,6 +64,8 @@ class PrepOptions:
     workers: int = 0  # 0: one per CPU
     mode: int | None = None  # DEST's file mode; None: the source's access (see _perms)
     group: str | None = None  # DEST's group (name or gid)
+    frame_size: int = DEFAULT_FRAME_SIZE  # chunks over 2 frames are framed (codec 3); 0: never
+    dictionary: str = "off"  # "auto": train a zstd dictionary for small files (codec 2)
 
     def check(self) -> None:
         if self.partitions < 1 or self.partitions > 65536:
@@ -70,6 +76,10 @@ class PrepOptions:
             raise FanstoreError(f"--level must be in -7..22, got {self.level}")
         if not 4096 <= self.chunk_size <= MAX_CHUNK_SIZE:
             raise FanstoreError(f"chunk size must be in 4096..{MAX_CHUNK_SIZE}")
+        if self.dictionary not in ("auto", "off"):
+            raise FanstoreError(f"--dict must be auto or off, got {self.dictionary!r}")
+        if self.frame_size and not MIN_FRAME <= self.frame_size <= MAX_CHUNK_SIZE:
+            raise FanstoreError(f"frame size must be 0 or in {MIN_FRAME}..{MAX_CHUNK_SIZE}")
 
 
 @dataclass
@@ -96,9 +106,11 @@ class _BlobJob:
 class _Packer:
     """Reads, checksums and compresses one chunk per call; safe to call from many threads."""
 
-    def __init__(self, codec: str, level: int):
+    def __init__(self, codec: str, level: int, frame_size: int = 0, zdict: bytes = b""):
         self.codec = codec
         self.level = level
+        self.frame_size = frame_size
+        self.zdict = zstandard.ZstdCompressionDict(zdict) if zdict else None
         self._local = threading.local()
 
     def __call__(self, job: _BlobJob) -> tuple[bytes, int, int, int]:
@@ -109,18 +121,48 @@ class _Packer:
             os.close(fd)
         if len(raw) != job.length:
             raise FanstoreError(f"{os.fsdecode(job.src)} changed size during prep")
+        c = self._compressor() if self.codec == "zstd" and raw else None
+        if c is not None and self._looks_incompressible(c, raw):
+            c = None
+        if self.frame_size and len(raw) > 2 * self.frame_size:
+            return self._framed(raw, c)
         digest = checksum(raw)
-        if self.codec == "zstd" and raw:
-            c = getattr(self._local, "c", None)
-            if c is None:
-                c = self._local.c = zstandard.ZstdCompressor(
-                    level=self.level, write_content_size=True, write_checksum=False
-                )
-            if not self._looks_incompressible(c, raw):
-                packed = c.compress(raw)
-                if len(packed) < len(raw):
-                    return packed, CODEC_ZSTD, len(raw), digest
+        if c is not None:
+            packed, codec = c.compress(raw), CODEC_ZSTD
+            if self.zdict is not None and len(raw) <= _zdict.SMALL:
+                with_dict = self._dict_compressor().compress(raw)
+                if len(with_dict) < len(packed):
+                    packed, codec = with_dict, CODEC_ZSTD_DICT
+            if len(packed) < len(raw):
+                return packed, codec, len(raw), digest
         return raw, CODEC_RAW, len(raw), digest
+
+    def _dict_compressor(self) -> zstandard.ZstdCompressor:
+        c = getattr(self._local, "cd", None)
+        if c is None:
+            c = self._local.cd = zstandard.ZstdCompressor(
+                level=self.level, dict_data=self.zdict, write_content_size=True,
+                write_checksum=False,
+            )
+        return c
+
+    def _compressor(self) -> zstandard.ZstdCompressor:
+        c = getattr(self._local, "c", None)
+        if c is None:
+            c = self._local.c = zstandard.ZstdCompressor(
+                level=self.level, write_content_size=True, write_checksum=False
+            )
+        return c
+
+    def _framed(self, raw: bytes, c: zstandard.ZstdCompressor | None) -> tuple[bytes, int, int, int]:
+        """A large chunk as a seekable blob: zstd frames of `frame_size`, or (nothing shrank)
+        raw sub-blocks of RAW_FRAME_SIZE, each with its own checksum."""
+        if c is not None:
+            stored, digest = _blobcodec.encode(raw, self.frame_size, c.compress)
+            if len(stored) < len(raw):
+                return stored, CODEC_FRAMED, len(raw), digest
+        stored, digest = _blobcodec.encode(raw, min(RAW_FRAME_SIZE, self.frame_size), None)
+        return stored, CODEC_FRAMED, len(raw), digest
 
     @staticmethod
     def _looks_incompressible(c: zstandard.ZstdCompressor, raw: bytes) -> bool:
@@ -189,7 +231,10 @@ def prep(
     os.makedirs(dest_s, exist_ok=True)
     dst = os.stat(dest_s)
     # Dataset identity: a stable hash of the options that shape the output and the listing.
-    salt = repr((opts.partitions, opts.codec, opts.level, opts.chunk_size, opts.broadcast)).encode()
+    shape = (opts.partitions, opts.codec, opts.level, opts.chunk_size, opts.broadcast)
+    extra = ((opts.frame_size,) if opts.frame_size else ()) + (
+        ("dict",) if opts.dictionary == "auto" else ())
+    salt = repr(shape + extra).encode()
     w = walk(src_b, opts.chunk_size, opts.broadcast, exclude=(dst.st_dev, dst.st_ino), salt=salt)
     dataset_id = w.hasher.intdigest()
     kinds = w.cols["kind"]
@@ -206,7 +251,8 @@ def prep(
     tmp_names = [os.path.join(dest_s, nm + ".tmp") for nm in part_names]
     handles = [open(p, "wb") for p in tmp_names]
     workers = opts.workers or (os.cpu_count() or 1)
-    packer = _Packer(opts.codec, opts.level)
+    zdict = _zdict.train(w, opts.level) if opts.dictionary == "auto" and opts.codec == "zstd" else b""
+    packer = _Packer(opts.codec, opts.level, opts.frame_size, zdict)
     files_done = bytes_done = stored_total = 0
     jobs = _jobs(w, nparts, False)
     if has_bcast:
@@ -247,6 +293,8 @@ def prep(
     if progress:
         progress(n_files, bytes_done)
 
+    if zdict and CODEC_ZSTD_DICT not in b_cols["codec"]:
+        zdict = b""  # no blob gained from it
     manifest = Manifest(
         dataset_id=dataset_id,
         options={
@@ -255,6 +303,8 @@ def prep(
             "chunk_size": opts.chunk_size,
             "partitions": nparts,
             "broadcast": list(opts.broadcast),
+            "frame_size": opts.frame_size,
+            "dict": opts.dictionary,
         },
         partitions=[
             PartitionInfo(nm, sz, has_bcast and p == nparts)
@@ -265,6 +315,7 @@ def prep(
         names=w.names,
         links=w.links,
         blobs=b_cols,
+        zdict=zdict,
     )
     write_manifest(os.path.join(dest_s, MANIFEST_NAME), manifest)
     return PrepResult(

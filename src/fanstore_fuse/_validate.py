@@ -16,6 +16,7 @@ import numpy as np
 from ._errors import FormatError
 from ._format import (
     BLOB_COLUMNS,
+    CODEC_FRAMED,
     CODEC_RAW,
     CODEC_ZSTD_DICT,
     DEFAULT_CHUNK_SIZE,
@@ -214,7 +215,10 @@ def _blobs(m: Manifest, b: dict[str, np.ndarray], chunk: int, nb: int) -> None:
         _fail_at((off < PARTITION_DATA_START) | (off > ps) | (st > ps - np.minimum(off, ps)), a,
                  "blob {i} lies outside its partition")
         _fail_at(raw > chunk, a, "blob {i} raw size exceeds the chunk size")
-        _fail_at(cod > CODEC_ZSTD_DICT, a, "blob {i} has an unknown codec")
+        top = CODEC_FRAMED if m.version >= 3 else CODEC_ZSTD_DICT  # framed blobs: version 3
+        _fail_at(cod > top, a, "blob {i} has an unknown codec")
+        _fail_at((cod == CODEC_FRAMED) & ((st < 8) | (raw == 0)), a,
+                 "framed blob {i} is too short for its frame table")
         _fail_at((cod == CODEC_RAW) & (st != raw), a, "raw blob {i} stored size differs from raw size")
         if not m.zdict:
             _fail_at(cod == CODEC_ZSTD_DICT, a, "blob {i} needs a dictionary the manifest lacks")

@@ -64,6 +64,10 @@ def prep(
     broadcast: list[str] = typer.Option([], "--broadcast", help="glob of paths copied to every node"),
     workers: int = typer.Option(0, "--workers", "-w", help="threads (0: one per CPU)"),
     chunk_mib: int = typer.Option(4, "--chunk-mib", help="chunk size for large files, MiB"),
+    frame_kib: int = typer.Option(
+        128, "--frame-kib", help="seekable frames in chunks over 2 frames, KiB (0: off)"),
+    dictionary: str = typer.Option(
+        "off", "--dict", help="auto: train a zstd dictionary when most files are small"),
     mode: str | None = typer.Option(
         None, "--mode", help="octal mode of DEST's files (default: as private as SRC)"),
     group: str | None = typer.Option(None, "--group", help="group of DEST (shares it: 0640)"),
@@ -77,7 +81,8 @@ def prep(
     t0 = time.perf_counter()
     try:
         opts = PrepOptions(partitions, codec, level, chunk_mib << 20, list(broadcast), workers,
-                           mode=parse_mode(mode), group=group)
+                           mode=parse_mode(mode), group=group, frame_size=frame_kib << 10,
+                           dictionary=dictionary)
         with _progress(quiet) as prog:
             task = prog.add_task("prep", total=None)
 
