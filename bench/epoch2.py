@@ -70,7 +70,7 @@ def micro(work: Path, dest: Path, rounds: int) -> dict:
     m = read_manifest(str(dest / MANIFEST_NAME))
     store = BlobStore(m, str(dest))
     ids = list(range(0, m.n_blobs, 2))
-    cache = DiskCache(str(work / "micro-cache"), 1 << 30, m.blobs["raw"], m.blobs["xxh3"])
+    cache = DiskCache(str(work / "micro-cache"), 1 << 30, m.blobs["raw"])
     out: dict = {"blobs": len(ids), "store_raw": [], "cache_read": []}
     try:
         for b in shuffled(ids, 0):

@@ -20,13 +20,14 @@ from fanstore_fuse._blobstore import BlobStore
 from fanstore_fuse._compose import CachingBlobSource
 from fanstore_fuse._diskcache import (
     DATA_START,
+    ENTRY_HEADER,
     DiskCache,
     read_segment_header,
     resolve_limit,
     segment_header,
 )
 from fanstore_fuse._errors import FanstoreError
-from fanstore_fuse._format import MANIFEST_NAME, checksum, read_manifest
+from fanstore_fuse._format import MANIFEST_NAME, read_manifest
 from fanstore_fuse._node import LocalBlobSource, Stats
 from fanstore_fuse._ring import Placement
 from fanstore_fuse._settings import Settings, parse_cache_size, parse_size
@@ -38,7 +39,7 @@ def _blobs(n: int, size: int = 3000, seed: int = 5) -> list[bytes]:
 
 
 def _cache(path: Path, blobs: list[bytes], limit: int, **kw) -> DiskCache:
-    return DiskCache(str(path), limit, [len(b) for b in blobs], [checksum(b) for b in blobs], **kw)
+    return DiskCache(str(path), limit, [len(b) for b in blobs], **kw)
 
 
 def _fill(cache: DiskCache, blobs: list[bytes], ids) -> None:
@@ -115,7 +116,7 @@ def test_round_trip_private_files_and_counters(tmp_path):
             assert cache.read(i) == b
         s = cache.status()
         assert (s["entries"], s["hits"], s["misses"], s["evictions"]) == (50, 50, 1, 0)
-        assert s["bytes"] == sum(map(len, blobs)) + DATA_START * len(_segments(d))
+        assert s["bytes"] == sum(map(len, blobs)) + ENTRY_HEADER * 50 + DATA_START * len(_segments(d))
         assert stat.S_IMODE(d.stat().st_mode) == 0o700
         for seg in _segments(d):
             assert stat.S_IMODE(seg.stat().st_mode) == 0o600
@@ -184,7 +185,7 @@ def test_corrupt_entry_is_dropped_not_returned(tmp_path):
     try:
         _fill(cache, blobs, range(10))
         (seg,) = _segments(d)
-        _damage(seg, [DATA_START + len(blobs[0]) + 5])  # inside blob 1
+        _damage(seg, [DATA_START + 2 * ENTRY_HEADER + len(blobs[0]) + 5])  # inside blob 1
         assert cache.read(1) is None
         assert not cache.has(1)
         s = cache.status()
@@ -227,7 +228,7 @@ def _expected(store: BlobStore, n: int) -> list[bytes]:
 def test_caching_source_serves_hits_and_refetches_bad_entries(small_dest, tmp_path, threshold):
     m = read_manifest(small_dest / MANIFEST_NAME)
     n = m.n_blobs
-    cache = DiskCache(str(tmp_path / "c"), 10 << 20, m.blobs["raw"], m.blobs["xxh3"])
+    cache = DiskCache(str(tmp_path / "c"), 10 << 20, m.blobs["raw"])
     held = {0, 1}
     m, store, inner, src = _source(small_dest, cache, lambda b: b in held, threshold)
     want = _expected(store, n)
@@ -303,11 +304,10 @@ def test_memory_per_entry(tmp_path):
     n = 200_000
     sizes = [16] * n
     data = bytes(range(16))
-    digests = [checksum(data)] * n
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
-        cache = DiskCache(str(tmp_path / "c"), 1 << 30, sizes, digests)
+        cache = DiskCache(str(tmp_path / "c"), 1 << 30, sizes)
         for b in range(n):
             cache.put(b, data)
             if b % 20000 == 0:

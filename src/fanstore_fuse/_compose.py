@@ -70,6 +70,10 @@ class CachingBlobSource:
                  sizes: Any, threshold: int):
         self.inner = inner
         self.cache = cache
+        # what Node's frame reader needs to read parts of held framed blobs (the cache holds
+        # only blobs held elsewhere, which are fetched whole)
+        self.local = getattr(inner, "local", None)
+        self.holds = getattr(inner, "holds", None)
         self.held = held
         self.sizes = sizes
         self.threshold = threshold
@@ -105,7 +109,7 @@ def open_disk_cache(manifest: Manifest, local_dir: str, settings: Settings) -> D
         return None
     b = manifest.blobs
     log.info("disk cache of remote blobs: %s, up to %d bytes", directory, limit)
-    return DiskCache(directory, limit, b["raw"], b["xxh3"])
+    return DiskCache(directory, limit, b["raw"])
 
 
 def open_transport(comm: Any, table: HandlerTable, settings: Settings) -> Transport:

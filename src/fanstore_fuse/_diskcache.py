@@ -2,13 +2,16 @@
 
 The second epoch of a job reads what the first fetched over the network from the local disk.
 Layout: `LOCAL/cache/seg-NNNNNNNNNNNN.fsc`, a ring of append-only segment files, each a 64-byte
-header (magic `FSCACHE\\0`, version, segment number) followed by raw (decoded) blob bytes back
-to back. The index is memory only: one `uint64` per dataset blob (`segment << 40 | offset`, 0 =
-absent; a zero-filled numpy array, so untouched pages cost nothing) plus one small object per
-segment. A blob's length and checksum are the manifest's (`raw`, `xxh3`): nothing else is kept
-per entry. The cache lives as long as its daemon; `umount` removes it with the local dir.
+header (magic `FSCACHE\\0`, version, segment number) followed by entries back to back, each
+the xxh3 of the blob's raw (decoded) bytes (8 bytes, little-endian) and then those bytes. The
+index is memory only: one `uint64` per dataset blob (`segment << 40 | offset`, 0 = absent; a
+zero-filled numpy array, so untouched pages cost nothing) plus one small object per segment. A
+blob's length is the manifest's `raw`; its checksum is computed by the writer thread from the
+verified bytes the holder sent and stored with the entry (the manifest's `xxh3` of a framed
+blob covers its frame table, not the raw bytes, so it cannot serve here). The cache lives as
+long as its daemon; `umount` removes it with the local dir.
 
-- **Reads** verify every time (length + xxh3 of the raw bytes, as for staged blobs): a mismatch
+- **Reads** verify every time (length + the entry's xxh3 of the raw bytes): a mismatch
   or a read error drops the entry and the caller fetches the blob again from its holder, so a
   damaged cache never hands out wrong bytes. `read(blob, nowait=True)` uses `RWF_NOWAIT` so the
   event loop reads page-cached entries inline and sends the rest to a thread (`BLOCKED`).
@@ -46,7 +49,9 @@ from ._settings import parse_cache_size
 log = logging.getLogger("fanstore_fuse.diskcache")
 
 MAGIC: Final = b"FSCACHE\0"
-VERSION: Final = 1
+VERSION: Final = 2
+ENTRY_HEADER: Final = 8  # the xxh3 (little-endian u64) in front of each entry
+_DIGEST = struct.Struct("<Q")
 HEADER = struct.Struct("<8sHHIQ")  # magic, version, flags, reserved, segment number
 DATA_START: Final = 64  # the header padded to 64 bytes; blobs start here
 CACHE_DIR: Final = "cache"
@@ -55,7 +60,7 @@ _OFF_MASK: Final = (1 << _OFF_BITS) - 1
 BLOCKED: Final = object()  # `read(nowait=True)`: the bytes are not in the page cache
 QUEUE_BYTES: Final = 64 << 20  # bytes waiting for the writer thread at most
 _BATCH_BYTES: Final = 16 << 20
-_BATCH_ITEMS: Final = 512  # iovecs of one pwritev (IOV_MAX is 1024)
+_BATCH_ITEMS: Final = 512  # entries of one pwritev: two iovecs each (IOV_MAX is 1024)
 
 
 def segment_header(number: int) -> bytes:
@@ -113,17 +118,16 @@ class _Segment:
 class DiskCache:
     """Verified raw blob bytes on local disk, bounded by `limit` bytes (module docstring).
 
-    `sizes[b]` and `digests[b]` are the manifest's raw length and xxh3 of blob `b`."""
+    `sizes[b]` is the manifest's raw length of blob `b`."""
 
     def __init__(
-        self, directory: str, limit: int, sizes: Sequence[int], digests: Sequence[int],
+        self, directory: str, limit: int, sizes: Sequence[int],
         segment_bytes: int | None = None, queue_bytes: int = QUEUE_BYTES,
     ):
         self.dir = directory
         self.limit = limit
         self.segment_bytes = segment_bytes or segment_bytes_for(limit)
         self._sizes = sizes
-        self._digests = digests
         self._loc = np.zeros(len(sizes), dtype=np.uint64)
         self._segs: dict[int, _Segment] = {}  # live segments, oldest first (insertion order)
         self._next = 1
@@ -177,21 +181,22 @@ class DiskCache:
                 self.misses += 1
                 return None
             seg.pins += 1
-        n = self._sizes[blob]
+        n = self._sizes[blob] + ENTRY_HEADER
         try:
             if nowait:
-                data = self._read_nowait(seg.fd, n, off)
-                if data is None:
+                entry = self._read_nowait(seg.fd, n, off)
+                if entry is None:
                     return BLOCKED
             else:
-                data = os.pread(seg.fd, n, off)
+                entry = os.pread(seg.fd, n, off)
         except OSError as e:
             self._drop(blob, seg, f"read failed ({e.strerror})")
             return None
         finally:
             self._unpin(seg)
-        got = len(data)
-        if got != n or checksum(data) != self._digests[blob]:
+        got = len(entry)
+        data = entry[ENTRY_HEADER:]
+        if got != n or checksum(data) != _DIGEST.unpack_from(entry)[0]:
             self._drop(blob, seg, "xxh3 checksum mismatch" if got == n else "entry truncated")
             return None
         self.hits += 1
@@ -291,7 +296,7 @@ class DiskCache:
                     self._write_failed(e)
                     return
             pending.append((blob, data))
-            psize += len(data)
+            psize += ENTRY_HEADER + len(data)
             if seg.size + psize >= self.segment_bytes:  # full: the next blob opens a new one
                 if not self._append(seg, pending):
                     return
@@ -320,9 +325,12 @@ class DiskCache:
         return seg
 
     def _append(self, seg: _Segment, items: list[tuple[int, bytes]]) -> bool:
-        size = sum(len(d) for _, d in items)
+        size = sum(ENTRY_HEADER + len(d) for _, d in items)
+        iov: list[bytes] = []
+        for _, d in items:
+            iov += (_DIGEST.pack(checksum(d)), d)
         try:
-            got = os.pwritev(seg.fd, [d for _, d in items], seg.size)
+            got = os.pwritev(seg.fd, iov, seg.size)
             if got != size:
                 raise OSError(errno.ENOSPC, "short write")
         except OSError as e:
@@ -332,7 +340,7 @@ class DiskCache:
         with self._lock:
             for blob, data in items:
                 self._loc[blob] = (seg.number << _OFF_BITS) | off
-                off += len(data)
+                off += ENTRY_HEADER + len(data)
             seg.size = off
             seg.entries += len(items)
             self.entries += len(items)
