@@ -167,7 +167,8 @@ def main() -> None:
             async def worker() -> None:
                 nonlocal nbytes
                 async for b in recv:
-                    nbytes += len(await source.fetch(b))
+                    data = await source.fetch(b)  # not `nbytes += len(await ...)`: that reads
+                    nbytes += len(data)  # nbytes before the await and loses the other workers' adds
 
             t0 = time.perf_counter()
             async with trio.open_nursery() as n:
