@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
@@ -14,6 +13,7 @@ from dataclasses import dataclass
 from ._blobcodec import BlobCodec, FrameTable, decode_frame, parse_table, table_bytes_needed
 from ._errors import ChecksumError
 from ._format import CODEC_FRAMED, Manifest, checksum
+from ._fsio import CachedReads
 
 log = logging.getLogger("fanstore_fuse.blobs")
 MAX_TABLES = 4096  # verified frame tables kept (a 4 MiB blob's: ~4 KiB at 16 KiB frames)
@@ -51,7 +51,7 @@ class BlobStore:
         self._part, self._off, self._stored = b["part"], b["offset"], b["stored"]
         self._raw, self._codec, self._xxh = b["raw"], b["codec"], b["xxh3"]
         self._fds: dict[int, int] = {}
-        self._nowait = hasattr(os, "RWF_NOWAIT")
+        self._cached = CachedReads()
         self._lock = threading.Lock()
         self._tables: OrderedDict[int, FrameTable] = OrderedDict()
         self._tlock = threading.Lock()
@@ -102,19 +102,12 @@ class BlobStore:
 
     def _pread_nowait(self, blob: int, n: int, off: int) -> bytes | None:
         """`n` bytes at `off` if the page cache has them all (RWF_NOWAIT), else None at once."""
-        if not self._nowait:
-            return None
         buf = bytearray(n)
         try:
-            k = os.preadv(self._fd(self._part[blob]), [buf], off, os.RWF_NOWAIT)
-        except BlockingIOError:
-            return None
+            hit = self._cached.readinto(self._fd(self._part[blob]), buf, off)
         except OSError as e:
-            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-                self._nowait = False
-                return None
             raise ChecksumError(f"{self.where(blob)}: read failed: {e.strerror}") from None
-        return bytes(buf) if k == n else None
+        return bytes(buf) if hit else None
 
     def stored(self, blob: int) -> bytes:
         return self._pread(blob, self._stored[blob], self._offset(blob))
@@ -206,21 +199,14 @@ class BlobStore:
     def stored_into(self, blob: int, buf: memoryview, nowait: bool = False) -> bool:
         """Read the stored bytes of `blob` into `buf` (exactly its stored size), no extra copy.
         With `nowait`, only from the page cache (RWF_NOWAIT): False at once if it would wait."""
-        if nowait and not self._nowait:
-            return False
+        fd, off = self._fd(self._part[blob]), self._offset(blob)
         try:
-            n = os.preadv(self._fd(self._part[blob]), [buf], self._offset(blob),
-                          os.RWF_NOWAIT if nowait else 0)
-        except BlockingIOError:
-            return False
+            if nowait:
+                return self._cached.readinto(fd, buf, off)
+            n = os.preadv(fd, [buf], off)
         except OSError as e:
-            if nowait and e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-                self._nowait = False
-                return False
             raise ChecksumError(f"{self.where(blob)}: read failed: {e.strerror}") from None
         if n != len(buf):
-            if nowait:
-                return False  # partly cached: the blocking read tells a short partition apart
             raise ChecksumError(f"{self.where(blob)}: partition truncated")
         return True
 

@@ -96,7 +96,7 @@ class ClusterBlobSource:
 
     def holds(self, blob: int) -> bool:
         """This rank holds `blob` (the node then reads single frames of it from `local`)."""
-        return self.rank in self.placement.locate_data(blob)
+        return self.placement.holds(self.rank, blob)
 
     async def _decode(self, blob: int, stored: bytes | memoryview) -> bytes:
         if len(stored) >= self.local.threshold:

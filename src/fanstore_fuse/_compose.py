@@ -70,16 +70,22 @@ class CachingBlobSource:
                  sizes: Any, threshold: int):
         self.inner = inner
         self.cache = cache
-        # what Node's frame reader needs to read parts of held framed blobs (the cache holds
-        # only blobs held elsewhere, which are fetched whole)
+        # Node's frame reader reads parts of held framed blobs from `local` (the cache holds
+        # only blobs held elsewhere, which are fetched whole) and asks `holds`
         self.local = getattr(inner, "local", None)
-        self.holds = getattr(inner, "holds", None)
         self.held = held
         self.sizes = sizes
         self.threshold = threshold
         self._limiter = trio.CapacityLimiter(max(2, (os.cpu_count() or 1) * 2))
         # 0 not asked yet, 1 held here, 2 held elsewhere: `held` (a ring lookup, ~6 us) once per blob
         self._where = np.zeros(len(sizes), dtype=np.uint8)
+
+    def holds(self, blob: int) -> bool:
+        """This rank holds `blob` (remembered per blob: the ring is asked once)."""
+        where = self._where[blob]
+        if not where:
+            where = self._where[blob] = 1 if self.held(blob) else 2
+        return bool(where == 1)
 
     async def fetch(self, blob: int) -> bytes:
         cache = self.cache
@@ -90,10 +96,7 @@ class CachingBlobSource:
             if isinstance(data, bytes):
                 return data
         else:
-            where = self._where[blob]
-            if not where:
-                where = self._where[blob] = 1 if self.held(blob) else 2
-            if where == 1:
+            if self.holds(blob):
                 return await self.inner.fetch(blob)
             cache.miss()
         data = await self.inner.fetch(blob)
@@ -149,13 +152,14 @@ def compose(
     table = HandlerTable()
     transport = connect(table)
     local = LocalBlobSource(store, stats, settings.thread_threshold)
-    source: BlobSource = ClusterBlobSource(rank, placement, local, source_store, transport, stats,
-                                           peer_timeout)
+    cluster = ClusterBlobSource(rank, placement, local, source_store, transport, stats,
+                                peer_timeout)
+    source: BlobSource = cluster
     disk_cache = None
     if placement.nranks > 1 and cache_dir is not None:
         disk_cache = open_disk_cache(manifest, cache_dir, settings)
     if disk_cache is not None:
-        source = CachingBlobSource(source, disk_cache, lambda b: placement.holds(rank, b),
+        source = CachingBlobSource(cluster, disk_cache, cluster.holds,
                                    manifest.blobs["raw"], settings.thread_threshold)
     # With one rank every path is owned here: LocalMetadata gives ClusterMetadata's answers
     # without computing an owner per record (measured: ~4 us CPU less per lookup/getattr).

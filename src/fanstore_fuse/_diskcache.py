@@ -43,6 +43,7 @@ import numpy as np
 
 from ._errors import FanstoreError
 from ._format import checksum
+from ._fsio import CachedReads
 from ._safepath import open_private
 from ._settings import parse_cache_size
 
@@ -132,7 +133,7 @@ class DiskCache:
         self._segs: dict[int, _Segment] = {}  # live segments, oldest first (insertion order)
         self._next = 1
         self._lock = threading.Lock()
-        self._nowait = hasattr(os, "RWF_NOWAIT")
+        self._cached = CachedReads()
         self.bytes = 0  # file bytes of the live segments (headers included)
         self.entries = 0
         self.hits = self.misses = self.evictions = self.corrupt = self.skipped = 0
@@ -204,19 +205,8 @@ class DiskCache:
 
     def _read_nowait(self, fd: int, n: int, off: int) -> bytes | None:
         """The bytes if the page cache holds them all, else None at once (RWF_NOWAIT)."""
-        if not self._nowait:
-            return None
         buf = bytearray(n)
-        try:
-            got = os.preadv(fd, [buf], off, os.RWF_NOWAIT)
-        except BlockingIOError:
-            return None
-        except OSError as e:
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-            self._nowait = False
-            return None
-        return bytes(buf) if got == n else None  # partly cached: a blocking read will tell
+        return bytes(buf) if self._cached.readinto(fd, buf, off) else None
 
     def _unpin(self, seg: _Segment) -> None:
         with self._lock:

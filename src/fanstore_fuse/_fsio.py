@@ -1,8 +1,10 @@
-"""Small file-system helpers every module shares: atomic replacement of a file, directory fsync."""
+"""Small file-system helpers every module shares: atomic replacement of a file, directory fsync,
+reads served only from the page cache."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 
 from ._safepath import open_private
@@ -16,6 +18,31 @@ def fsync_dir(path: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+class CachedReads:
+    """`preadv` with `RWF_NOWAIT`: fill a buffer only from the page cache, never waiting on the
+    disk, so an event loop can read hot data inline and send cold reads to a thread. One per
+    file system a caller reads: a file system that refuses the flag turns it off for good."""
+
+    def __init__(self) -> None:
+        self.supported = hasattr(os, "RWF_NOWAIT")
+
+    def readinto(self, fd: int, buf: bytearray | memoryview, off: int) -> bool:
+        """True if all of `buf` came from the page cache; False at once if any of it would
+        wait on the disk (or the flag is unsupported). Other errors raise OSError."""
+        if not self.supported:
+            return False
+        try:
+            n = os.preadv(fd, [buf], off, os.RWF_NOWAIT)
+        except BlockingIOError:
+            return False
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            self.supported = False
+            return False
+        return n == len(buf)  # partly cached (or short): a blocking read will tell
 
 
 def write_all(fd: int, data: bytes | memoryview) -> None:
