@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.mount, pytest.mark.mpi]
 
 JOB = REPO / "scripts" / "slurm" / "job.sbatch"
 CHECK = Path(__file__).resolve().parent / "_check_tree.py"
+EPOCHS = Path(__file__).resolve().parent / "_two_epochs.py"
 
 
 def _dataset(shared_dir: Path) -> tuple[Path, Path]:
@@ -55,6 +56,29 @@ def test_job_script_mounts_on_every_node_and_leaves_nothing(slurm_cluster, share
     status = json.loads((shared_dir / f"fanstore-status-{res.job_id}.json").read_text())
     assert sorted(r["rank"] for r in status["ranks"]) == list(range(c.nodes))
     assert res.output.count("unmounted: /tmp/fanstore-") == c.nodes
+    _nothing_left(c, res.job_id)
+
+
+@pytest.mark.timeout(300)
+def test_second_epoch_reads_remote_blobs_from_each_nodes_disk_cache(slurm_cluster, shared_dir):
+    """Two epochs on every node with a 1-byte in-memory blob cache (every read reaches the blob
+    source): the second fetches nothing from other nodes, the disk cache answers, the bytes are
+    the source's, and the cache goes with the job."""
+    c = slurm_cluster
+    src, dest = _dataset(shared_dir)
+    train = f"{sys.executable} {EPOCHS} {src}"
+    res = c.submit(JOB, f"--nodes={c.nodes}", f"--chdir={shared_dir}",
+                   f"--export=ALL,DATASET={dest},TRAIN={train},FANSTORE_CACHE_BYTES=1",
+                   env=job_env(c), timeout=240)
+    print(res)
+    assert (res.state, res.exit_code) == ("COMPLETED", 0), str(res)
+    lines = sorted(ln for ln in res.output.splitlines() if ": epoch 2: " in ln)
+    assert [ln.split(":")[0] for ln in lines] == [f"n{k}" for k in range(c.nodes)], res.output
+    for ln in lines:
+        fetched = int(ln.split("fetched from other nodes ")[1].split(";")[0])
+        hits = int(ln.split("disk cache hits ")[1].split(";")[0])
+        cached = int(ln.split("cached blobs ")[1])
+        assert fetched == 0 and cached > 0 and hits >= cached, ln
     _nothing_left(c, res.job_id)
 
 
