@@ -46,6 +46,7 @@ def test_read_only_opens_are_not_flushed_written_files_are(tmp_path, state_dir):
         ops = _ops_until(m, lambda ops: ops.count("RELEASE") >= 5)
         assert "CREATE" in ops and "FLUSH" in ops, ops
         assert ops[ops.index("CREATE"):].count("FLUSH") >= 1
+        assert "FUSE operations patched by the C shim: True" in m.log_text()
 
 
 def _readdirs(m, inode: int) -> int:

@@ -21,7 +21,7 @@ import trio
 from ._blobstore import BlobStore
 from ._compose import Parts, compose, open_transport
 from ._errors import FanstoreError
-from ._fastclose import enable_noflush
+from ._fastclose import enable_noflush, patched_sessions
 from ._format import Manifest, read_manifest
 from ._fsio import atomic_write
 from ._fuse_ops import Operations
@@ -295,6 +295,7 @@ def _mount(cfg: MountConfig, m: _Mounted, view: MountView, settings: Settings) -
     except RuntimeError as e:
         raise FanstoreError(mount_failure(str(e), opts)) from None
     m.mounted = True
+    log.info("FUSE operations patched by the C shim: %s", patched_sessions() > 0)
     set_readahead(m.mountpoint, cfg.readahead_kb)
 
 

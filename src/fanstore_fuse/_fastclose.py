@@ -71,6 +71,11 @@ def cached_listings() -> int:
     return int(_shim.dirs()) if _shim is not None else 0
 
 
+def patched_sessions() -> int:
+    """FUSE sessions this process created with the shim's patched table of operations."""
+    return int(_shim.patched()) if _shim is not None else 0
+
+
 def noflush_opens() -> int:
     """Opens answered with FOPEN_NOFLUSH by this process."""
     return int(_shim.count()) if _shim is not None else 0

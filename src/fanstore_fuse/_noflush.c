@@ -12,6 +12,10 @@
  * the kernel then keeps that directory's listing in its page cache across opens, so a second
  * `find` never reaches the daemon. Python marks only directories whose listing cannot change
  * (the dataset's, with no written entry); an unmarked opendir drops the cached listing.
+ *
+ * It also interposes fuse_session_new, which pyfuse3.init calls with its table of operations:
+ * the shim hands libfuse a copy of that table, patched by the functions of _shim_ops.h (one per
+ * concern, each in its own source file), so that some requests can be answered in C.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -20,6 +24,9 @@
 #include <stdint.h>
 #include <fcntl.h>
 #include <fuse_lowlevel.h>
+#include <string.h>
+
+#include "_shim_ops.h"
 
 typedef int (*reply_open_t)(fuse_req_t, const struct fuse_file_info *);
 
@@ -30,9 +37,36 @@ static int dir_marked;
 static uint64_t dir_mark_fh;
 static unsigned long long cached_dirs;
 
+void *fanstore_libfuse_symbol(const char *name) {
+    static void *lib;
+    if (lib == NULL)
+        lib = dlopen("libfuse3.so.3", RTLD_NOW | RTLD_LOCAL);
+    return lib ? dlsym(lib, name) : NULL;
+}
+
 static reply_open_t find_real(void) {
-    void *lib = dlopen("libfuse3.so.3", RTLD_NOW | RTLD_LOCAL);
-    return lib ? (reply_open_t)dlsym(lib, "fuse_reply_open") : NULL;
+    return (reply_open_t)fanstore_libfuse_symbol("fuse_reply_open");
+}
+
+typedef struct fuse_session *(*session_new_t)(struct fuse_args *, const struct fuse_lowlevel_ops *,
+                                              size_t, void *);
+
+static struct fuse_lowlevel_ops patched_ops;
+static int sessions_patched;
+
+struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_lowlevel_ops *op,
+                                      size_t op_size, void *userdata) {
+    session_new_t real = (session_new_t)fanstore_libfuse_symbol("fuse_session_new");
+    if (real == NULL || real == fuse_session_new)
+        return NULL; /* libfuse not found: pyfuse3.init raises */
+    if (op_size > sizeof(patched_ops))
+        return real(args, op, op_size, userdata); /* a newer table than we know: leave it */
+    memset(&patched_ops, 0, sizeof(patched_ops));
+    memcpy(&patched_ops, op, op_size);
+    fanstore_patch_readdir(&patched_ops);
+    fanstore_patch_open(&patched_ops);
+    sessions_patched++;
+    return real(args, &patched_ops, sizeof(patched_ops), userdata);
 }
 
 int fuse_reply_open(fuse_req_t req, const struct fuse_file_info *fi) {
@@ -103,7 +137,14 @@ static PyObject *count(PyObject *self, PyObject *unused) {
     return PyLong_FromUnsignedLongLong(noflush_opens);
 }
 
+static PyObject *patched(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyLong_FromLong(sessions_patched);
+}
+
 static PyMethodDef methods[] = {
+    {"patched", patched, METH_NOARGS, "patched(): FUSE sessions created with the patched table"},
     {"enable", enable, METH_O, "enable(on): set noflush on replies to read-only opens"},
     {"count", count, METH_NOARGS, "count(): opens answered with noflush so far"},
     {"mark_dir", mark_dir, METH_O, "mark_dir(fh): cache the listing of the next opendir reply"},
