@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from _harness import cli_env, prep_cli, run_cli
 
 from fanstore_fuse._launch import launcher_command
 from fanstore_fuse._rendezvous import Rendezvous, node_index
-from fanstore_fuse._slurmjob import expand_nodelist, parse_request
+from fanstore_fuse._slurmjob import JobPlan, expand_nodelist, mount_argv, parse_request
 
 # MPI between daemons of separate mpiexec runs: MPICH's OFI netmod over TCP (with UCX, the
 # survivors of a peer's SIGKILL were ended; see docs/reliability.md).
@@ -60,8 +61,15 @@ def test_request_parsing_and_node_order():
     assert parse_request("train fanstore:/d,stage_out=/o,replicas=2,read_only x") == {
         "dest": "/d", "stage_out": "/o", "replicas": "2", "read_only": "1"}
     assert parse_request("no request here") is None
+    req = parse_request("fanstore:/d,cache_size=30%")
+    assert req == {"dest": "/d", "cache_size": "30%"}
+    plan = JobPlan(job_id="7", user="u", uid=1, gid=1, dest="/d", mountpoint="/m", local="/l",
+                   rendezvous="/r", node_index=0, nodes=2, cache_size=req["cache_size"])
+    argv = mount_argv(plan)
+    assert argv[argv.index("--cache-size") + 1] == "30%"
+    assert "--cache-size" not in mount_argv(JobPlan(**{**asdict(plan), "cache_size": ""}))
     for bad, why in (("fanstore:/d,colour=red", "unknown option"), ("fanstore:rel", "absolute"),
-                     ("fanstore:/d,stage_out", "key=value")):
+                     ("fanstore:/d,stage_out", "key=value"), ("fanstore:/d,cache_size=200%", "0% to 100%")):
         with pytest.raises(Exception, match=why):
             parse_request(bad)
     assert expand_nodelist("n[0-2],gpu07,x[08-10]") == [

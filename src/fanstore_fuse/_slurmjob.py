@@ -25,10 +25,12 @@ import sys
 from dataclasses import asdict, dataclass, fields
 
 from ._errors import FanstoreError
+from ._settings import parse_cache_size
 
 PREFIX = "fanstore:"
 JOB_DIR = "/run/fanstore-fuse/jobs"
-KEYS = {"mnt", "local", "replicas", "stage_out", "read_only", "write_quota", "timeout", "rendezvous"}
+KEYS = {"mnt", "local", "replicas", "stage_out", "read_only", "write_quota", "cache_size", "timeout",
+        "rendezvous"}
 PASS_ENV = ("PATH", "LANG", "LC_ALL")
 PASS_PREFIXES = ("UCX_", "FI_", "MPIR_CVAR_", "FANSTORE_MPI_")
 
@@ -51,6 +53,7 @@ class JobPlan:
     replicas: int = 1
     read_only: bool = False
     write_quota: str = ""
+    cache_size: str = ""
     timeout: float = 300.0
     state_dir: str = ""
     node: str = ""  # this node's name (SLURMD_NODENAME)
@@ -82,6 +85,8 @@ def parse_request(comment: str) -> dict[str, str] | None:
         if key not in KEYS:
             raise FanstoreError(f"unknown option {key!r} (known: {', '.join(sorted(KEYS))})")
         req[key] = value
+    if "cache_size" in req:
+        parse_cache_size(req["cache_size"])  # a bad size fails the job, not the node
     for k in ("dest", "mnt", "local", "stage_out", "rendezvous"):
         if k in req and not os.path.isabs(req[k]):
             raise FanstoreError(f"{k} must be an absolute path, not {req[k]!r}")
@@ -144,7 +149,7 @@ def plan_from_env(env: dict[str, str]) -> JobPlan | None:
             rendezvous=os.path.join(rv_base, f".fanstore-rendezvous-{job}"),
             node_index=nodes.index(me), nodes=len(nodes), stage_out=req.get("stage_out", ""),
             replicas=int(req.get("replicas", "1")), read_only=req.get("read_only") == "1",
-            write_quota=req.get("write_quota", ""),
+            write_quota=req.get("write_quota", ""), cache_size=req.get("cache_size", ""),
             timeout=float(req.get("timeout") or env.get("FANSTORE_PROLOG_TIMEOUT") or 300),
             state_dir=env.get("FANSTORE_STATE_DIR") or f"/tmp/fanstore-fuse-{uid}", node=me,
         )
@@ -244,6 +249,8 @@ def mount_argv(plan: JobPlan) -> list[str]:
         argv.append("--read-only")
     if plan.write_quota:
         argv += ["--write-quota", plan.write_quota]
+    if plan.cache_size:
+        argv += ["--cache-size", plan.cache_size]
     return argv
 
 
