@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -36,6 +37,7 @@ from ._mountctl import (
     remove_local_dir,
     state_dir,
 )
+from ._readahead import hold_readahead, set_readahead
 from ._ring import LocalOnlyPlacement, Locator, Placement
 from ._ring_np import blobs_by_rank
 from ._settings import Settings
@@ -299,24 +301,6 @@ def _mount(cfg: MountConfig, m: _Mounted, view: MountView, settings: Settings) -
     set_readahead(m.mountpoint, cfg.readahead_kb)
 
 
-def set_readahead(mountpoint: str, kb: int) -> None:
-    """Raise the mount's read-ahead so the kernel sends up to 1 MiB reads instead of 128 KiB
-    (fewer FUSE round trips per large file). Needs root; silently skipped otherwise."""
-    if kb <= 0:
-        return
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                fields = line.split()
-                if fields[4] == mountpoint:
-                    dev = fields[2]
-            with open(f"/sys/class/bdi/{dev}/read_ahead_kb", "w") as out:
-                out.write(str(kb))
-        log.info("read-ahead of %s set to %d KiB", mountpoint, kb)
-    except (OSError, UnboundLocalError, IndexError) as e:
-        log.info("read-ahead left at the default (%s)", e)
-
-
 async def _serve(parts: Parts, max_tasks: int,
                  side: list[Callable[[], Awaitable[None]]]) -> None:
     async with trio.open_nursery() as nursery:
@@ -468,6 +452,7 @@ def serve(cfg: MountConfig) -> int:
         side.append(_stageout_requests(group.key, others, [i["host"] for i in infos],
                                        m.parts.transport))
     try:
+        side.append(functools.partial(hold_readahead, m.mountpoint, cfg.readahead_kb))
         trio.run(_serve, m.parts, cfg.max_tasks, side)
     except BaseException:
         log.exception("daemon stopped on an error")

@@ -1,0 +1,60 @@
+"""Large files through a real mount: the kernel read-ahead the daemon sets (1 MiB requests
+instead of 128 KiB ones) survives the FUSE INIT reply, and sequential reads of raw and
+compressible chunks come back byte for byte."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+from _harness import mounted, prep_cli
+
+from fanstore_fuse._readahead import bdi_path
+
+MiB = 1 << 20
+
+
+def _tensor(n: int) -> bytes:
+    import numpy as np
+
+    x = np.arange(n // 4, dtype=np.float32)
+    noise = np.random.default_rng(5).integers(-3, 4, x.size)
+    return (np.round(127.5 + 100 * np.sin(x * 0.001)) + noise).astype(np.float32).tobytes()
+
+
+@pytest.mark.mount
+@pytest.mark.timeout(120)
+def test_readahead_held_after_init_and_sequential_bytes(tmp_path: Path, state_dir: Path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "rand.bin").write_bytes(random.Random(1).randbytes(9 * MiB + 4321))
+    (src / "tensor.f32").write_bytes(_tensor(9 * MiB + 4096))
+    dest = prep_cli(src, tmp_path / "dest", "-p", "2")
+    with mounted(dest, tmp_path / "mp", state_dir, local=tmp_path / "local") as mt:
+        path = bdi_path(str(mt.path))
+        assert path is not None
+        deadline = time.monotonic() + 10
+        while True:  # the daemon sets it again once INIT is answered (a few ms after mount)
+            kb = int(Path(path).read_text())
+            if kb == 1024 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert kb == 1024, "read-ahead cut back to the INIT default"
+        for name in ("rand.bin", "tensor.f32"):
+            want = (src / name).read_bytes()
+            with open(mt.path / name, "rb", buffering=0) as f:
+                got = b"".join(iter(lambda: f.read(MiB), b""))
+            assert got == want, name
+            fd = os.open(mt.path / name, os.O_RDONLY)
+            try:
+                rng = random.Random(len(want))
+                for _ in range(200):
+                    off, n = rng.randrange(len(want) + 10), rng.choice([1, 4096, 70_000, MiB + 3])
+                    assert os.pread(fd, n, off) == want[off : off + n], (name, off, n)
+            finally:
+                os.close(fd)
+        mt.umount()
+        assert "set to 1024 KiB after INIT" in mt.log_text()
