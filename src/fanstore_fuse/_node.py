@@ -13,13 +13,14 @@ import os
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import trio
 
 from ._blobcodec import FrameTable
 from ._blobstore import BlobStore
 from ._errors import ChecksumError, FanstoreError
+from ._fusequeue import FUSE_QUEUE
 from ._namespace import Namespace, Record
 from ._settings import Settings
 from ._workers import WORKERS
@@ -27,7 +28,8 @@ from ._workers import WORKERS
 log = logging.getLogger("fanstore_fuse.node")
 
 _DEFAULT = Settings()  # the daemon passes its own (read from the environment once)
-INLINE_COLD = 64 << 10  # a cold raw-frame read this small runs inline when no other waits
+INLINE_COLD = 64 << 10  # a cold frame read this small runs inline when no other waits
+T = TypeVar("T")
 
 
 class BlobSource(Protocol):
@@ -66,38 +68,50 @@ class LocalBlobSource:
             t = await WORKERS.run(self.store.table, blob)
         return t
 
+    def _inline(self, n: int) -> bool:
+        """A cold read of `n` stored bytes runs inline: it is small, and nothing else waits on
+        the disk or in the FUSE queue. Inline, a cold 16 KiB pread (or one 128 KiB frame's
+        pread and decode) costs less than a thread hop (docs/performance.md, "Random access");
+        with requests queued, a worker lets the loop take the next one and their disk reads
+        overlap (`_fusequeue`)."""
+        return n <= INLINE_COLD and not self._busy and not FUSE_QUEUE.waiting()
+
+    async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
+        self._busy += 1
+        try:
+            return await WORKERS.run(fn, *args)
+        finally:
+            self._busy -= 1
+
     async def read_raw(self, blob: int, k0: int, k1: int, lo: int, hi: int) -> bytes:
         """Bytes lo..hi of a framed blob from its raw frames k0..k1, verified, not cached."""
         store = self.store
         t = await self.table(blob)
         out = None
         n = t.span(k0, k1)[1]
-        if n <= INLINE_COLD and not self._busy:
-            # Nothing else waits on the disk: a small read costs less inline (a cold 16 KiB
-            # pread) than a thread hop (docs/performance.md, "Random access").
+        if self._inline(n):
             out = store.raw_range(blob, k0, k1, lo, hi)
         elif n < self.threshold:
             out = store.raw_range_if_cached(blob, t, k0, k1, lo, hi)
         if out is None:
-            self._busy += 1
-            try:
-                out = await WORKERS.run(store.raw_range, blob, k0, k1, lo, hi)
-            finally:
-                self._busy -= 1
+            out = await self._offload(store.raw_range, blob, k0, k1, lo, hi)
         self.stats.local_reads += 1
         self.stats.local_bytes += len(out)
         return out
 
     async def fetch_frames(self, blob: int, k0: int, k1: int) -> list[bytes]:
         """Frames k0..k1 of a framed blob, verified: one pread, inline when the page cache
-        has a small span, else in a worker thread."""
+        has a small span or when `_inline` allows a cold one, else in a worker thread."""
         store = self.store
         t = await self.table(blob)
         out = None
-        if t.span(k0, k1)[1] < self.threshold:
+        n = t.span(k0, k1)[1]
+        if n < self.threshold:
             out = store.frames_if_cached(blob, t, k0, k1)
+        if out is None and self._inline(n):
+            out = store.frames(blob, k0, k1)
         if out is None:
-            out = await WORKERS.run(store.frames, blob, k0, k1)
+            out = await self._offload(store.frames, blob, k0, k1)
         self.stats.local_reads += 1
         self.stats.local_bytes += sum(map(len, out))
         return out
