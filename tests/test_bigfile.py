@@ -123,3 +123,29 @@ def test_fuse_queue_sees_waiting_bytes(tmp_path: Path):
     finally:
         os.close(w)
         os.close(r)
+
+
+@pytest.mark.parametrize("cut_first", [True, False])
+def test_hold_readahead_either_order(tmp_path: Path, cut_first: bool):
+    """The kernel's cut (INIT answered) may come before or after the daemon's task first looks:
+    either way the value ends at the daemon's, written once. A plain file stands in for sysfs."""
+    import trio
+
+    from fanstore_fuse._readahead import hold_readahead
+
+    f = tmp_path / "read_ahead_kb"
+    f.write_text("128\n" if cut_first else "1024\n")
+
+    async def main() -> None:
+        with trio.fail_after(10):
+            await run()
+
+    async def run() -> None:
+        async with trio.open_nursery() as n:
+            n.start_soon(hold_readahead, "/nowhere", 1024, 5.0, str(f))
+            if not cut_first:
+                await trio.sleep(0.05)
+                f.write_text("128\n")  # the kernel reads the INIT reply
+
+    trio.run(main)
+    assert f.read_text().strip() == "1024"

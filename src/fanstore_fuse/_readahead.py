@@ -61,13 +61,16 @@ def set_readahead(mountpoint: str, kb: int) -> None:
         log.info("read-ahead of %s set to %d KiB", mountpoint, kb)
 
 
-async def hold_readahead(mountpoint: str, kb: int, watch_s: float = WATCH_S) -> None:
-    """Once the kernel has cut the read-ahead back (INIT answered), set it to `kb` again."""
-    path = bdi_path(mountpoint) if kb > 0 else None
-    if path is None or _read(path) != kb:
-        return  # never raised (not root, no such mount): nothing to hold
+async def hold_readahead(
+    mountpoint: str, kb: int, watch_s: float = WATCH_S, path: str | None = None
+) -> None:
+    """Once the kernel has cut the read-ahead back (INIT answered: at once if that happened
+    before this task ran), set it to `kb` again. `path`: the sysfs file (default: the mount's)."""
+    path = path or (bdi_path(mountpoint) if kb > 0 else None)
+    if path is None or kb <= 0:
+        return
     with trio.move_on_after(watch_s):
         while _read(path) == kb:
             await trio.sleep(_POLL_S)
-        if _write(path, kb):
-            log.info("read-ahead of %s set to %d KiB after INIT", mountpoint, kb)
+    if _read(path) != kb and _write(path, kb):
+        log.info("read-ahead of %s set to %d KiB after INIT", mountpoint, kb)
