@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import trio
 
+from . import _fastopen as fastopen
 from ._blobstore import BlobStore
 from ._diskcache import DiskCache
 from ._errors import ChecksumError, FanstoreError, NotFound, PeerError
@@ -295,6 +296,7 @@ class StatusBoard:
         t = self.transport
         d: dict[str, object] = {"rank": self.rank, **self.node.local_status(), **self.held}
         d["host"] = socket.gethostname()
+        d["fuse_shim"] = fastopen.counts()
         if self.writes is not None:
             d["writes"] = self.writes.status()
         if self.disk_cache is not None:

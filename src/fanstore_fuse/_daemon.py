@@ -19,6 +19,7 @@ import numpy as np
 import pyfuse3
 import trio
 
+from . import _fastopen as fastopen
 from ._blobstore import BlobStore
 from ._compose import Parts, compose, open_transport
 from ._errors import FanstoreError
@@ -292,12 +293,14 @@ def _mount(cfg: MountConfig, m: _Mounted, view: MountView, settings: Settings) -
         opts.add("debug")
     if cfg.writable and settings.noflush:  # read-only mounts answer FLUSH with ENOSYS
         enable_noflush()
+    fast_open = settings.fast_open and fastopen.enable(len(view.node.ns))
     try:
         pyfuse3.init(Operations(view), m.mountpoint, opts)
     except RuntimeError as e:
         raise FanstoreError(mount_failure(str(e), opts)) from None
     m.mounted = True
-    log.info("FUSE operations patched by the C shim: %s", patched_sessions() > 0)
+    log.info("FUSE operations patched by the C shim: %s; dataset opens in C: %s",
+             patched_sessions() > 0, bool(fast_open))
     set_readahead(m.mountpoint, cfg.readahead_kb)
 
 

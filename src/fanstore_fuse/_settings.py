@@ -9,6 +9,7 @@
 | `FANSTORE_MPI_MAX_SLEEP` | 0.001 | longest poll interval (s) of the MPI thread while recently busy |
 | `FANSTORE_MPI_SEND_POLL` | 2e-05 | first poll interval (s) while a send is pending |
 | `FANSTORE_NOFLUSH` | 1 | writable mount: open read-only files with FOPEN_NOFLUSH (0: flush every close) |
+| `FANSTORE_FASTOPEN` | 1 | answer OPEN/RELEASE of dataset files in the C shim (0: in Python) |
 | `FANSTORE_MPI_REPLY_POLL` | 2e-05 | first poll interval (s) while replies are due (0: idle backoff) |
 | `FANSTORE_MPI_BACKOFF` | 2.0 | growth of the MPI thread's poll interval while nothing arrives (1: fixed) |
 | `FANSTORE_MPI_DOORBELL` | 1 | a UDP doorbell rung with each frame sent wakes the peer (0: poll only) |
@@ -36,6 +37,7 @@ _ENV = {
     "mpi_send_poll": "FANSTORE_MPI_SEND_POLL",
     "mpi_reply_poll": "FANSTORE_MPI_REPLY_POLL",
     "noflush": "FANSTORE_NOFLUSH",
+    "fast_open": "FANSTORE_FASTOPEN",
     "mpi_inline": "FANSTORE_MPI_INLINE",
     "mpi_backoff": "FANSTORE_MPI_BACKOFF",
     "mpi_doorbell": "FANSTORE_MPI_DOORBELL",
@@ -81,6 +83,7 @@ class Settings:
     mpi_send_poll: float = 20e-6
     mpi_reply_poll: float = 20e-6
     noflush: int = 1
+    fast_open: int = 1
     mpi_inline: int = 1
     mpi_backoff: float = 2.0
     mpi_doorbell: int = 1
