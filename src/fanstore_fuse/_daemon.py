@@ -44,7 +44,7 @@ from ._ring_np import blobs_by_rank
 from ._settings import Settings
 from ._stage import Ranges, broadcast_mask, plan_dense, stage_in, stage_manifest
 from ._transport import Transport
-from ._view import MountView
+from ._view import ENTRY_TIMEOUT, MountView
 from .writes import WriteStore
 
 log = logging.getLogger("fanstore_fuse.daemon")
@@ -293,7 +293,7 @@ def _mount(cfg: MountConfig, m: _Mounted, view: MountView, settings: Settings) -
         opts.add("debug")
     if cfg.writable and settings.noflush:  # read-only mounts answer FLUSH with ENOSYS
         enable_noflush()
-    fast_open = settings.fast_open and fastopen.enable(len(view.node.ns))
+    fast_open = settings.fast_open and fastopen.enable(view.node.ns, ENTRY_TIMEOUT)
     try:
         pyfuse3.init(Operations(view), m.mountpoint, opts)
     except RuntimeError as e:

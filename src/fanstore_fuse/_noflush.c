@@ -150,7 +150,8 @@ static PyMethodDef methods[] = {
     {"mark_dir", mark_dir, METH_O, "mark_dir(fh): cache the listing of the next opendir reply"},
     {"dirs", dirs, METH_NOARGS, "dirs(): opendir replies sent with cache_readdir so far"},
     {"fast_open", fanstore_fast_open, METH_O, "fast_open(n): answer OPEN/RELEASE of inodes 1..n in C"},
-    {"fast_counts", fanstore_fast_counts, METH_NOARGS, "fast_counts(): (opens, releases) in C"},
+    {"fast_attrs", fanstore_fast_attrs, METH_VARARGS, "fast_attrs(kind, mode, uid, gid, mtime_ns, size, KIND_FILE, timeout)"},
+    {"fast_counts", fanstore_fast_counts, METH_NOARGS, "fast_counts(): (opens, releases, getattrs) in C"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,4 +1,4 @@
-/* OPEN and RELEASE of dataset files answered in C (issue 11).
+/* OPEN, RELEASE and GETATTR of dataset files answered in C (issue 11).
  *
  * A warm read of a small file costs the daemon an OPEN (the reader waits for it) and a RELEASE
  * (asynchronous): with long entry/attr timeouts and keep_cache, nothing else reaches it. Through
@@ -12,10 +12,19 @@
  * fuse_reply_open, which adds noflush where enabled), and a RELEASE of a dataset handle
  * (1..n, whoever opened it) with success. Everything else goes to pyfuse3's handlers. READ
  * gets the same handle either way, so Python's read path is unchanged.
+ *
+ * GETATTR: on a writable mount the kernel marks a file's atime stale after every READ it sent,
+ * so the next stat(2) (every open() in Python, cat, ...) asks the daemon again. A dataset
+ * file's attributes come from the manifest, identical on every rank and never changed: with the
+ * manifest's columns (`fast_attrs`), a GETATTR of a dataset regular file is answered here with
+ * what Operations._attr gives for it (nlink 1, rdev 0, blksize 128 KiB, all times the mtime).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <fcntl.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/stat.h>
 
 #include "_shim_ops.h"
 
@@ -25,10 +34,20 @@
 typedef void (*file_op_t)(fuse_req_t, fuse_ino_t, struct fuse_file_info *);
 typedef int (*reply_err_t)(fuse_req_t, int);
 
-static file_op_t py_open, py_release;
+typedef int (*reply_attr_t)(fuse_req_t, const struct stat *, double);
+
+static file_op_t py_open, py_release, py_getattr;
+static reply_attr_t reply_attr;
 static reply_err_t reply_err; /* libfuse's fuse_reply_err (the shim does not link libfuse) */
 static uint64_t dataset_entries; /* inodes 1..n are the dataset's; 0: every request to Python */
-static unsigned long long c_opens, c_releases;
+static unsigned long long c_opens, c_releases, c_getattrs;
+
+enum { KIND, MODE, UID, GID, MTIME, SIZE, NCOLS };
+static const int col_itemsize[NCOLS] = {1, 4, 4, 4, 8, 8};
+static Py_buffer cols[NCOLS]; /* the manifest's entry columns, held while in use */
+static uint64_t attr_entries;  /* entries in cols; 0: GETATTR goes to Python */
+static double attr_timeout;
+static unsigned char kind_file; /* _format.KIND_FILE */
 
 static void open_in_c(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
     if (ino >= 1 && ino <= dataset_entries && !(fi->flags & WRITE_FLAGS)) {
@@ -52,6 +71,34 @@ static void release_in_c(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *
     py_release(req, ino, fi);
 }
 
+static void getattr_in_c(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
+    uint64_t i = ino - 1;
+    if (ino >= 1 && i < attr_entries && ((uint8_t *)cols[KIND].buf)[i] == kind_file) {
+        struct stat st;
+        memset(&st, 0, sizeof(st));
+        int64_t t = ((int64_t *)cols[MTIME].buf)[i];
+        int64_t sec = t / 1000000000, nsec = t % 1000000000;
+        if (nsec < 0) { /* floor division, as pyfuse3 does in Python */
+            sec -= 1;
+            nsec += 1000000000;
+        }
+        st.st_ino = ino;
+        st.st_mode = ((uint32_t *)cols[MODE].buf)[i];
+        st.st_nlink = 1;
+        st.st_uid = ((uint32_t *)cols[UID].buf)[i];
+        st.st_gid = ((uint32_t *)cols[GID].buf)[i];
+        st.st_size = (off_t)((uint64_t *)cols[SIZE].buf)[i];
+        st.st_blksize = 1 << 17;
+        st.st_blocks = (st.st_size + 511) / 512;
+        st.st_atim.tv_sec = st.st_mtim.tv_sec = st.st_ctim.tv_sec = sec;
+        st.st_atim.tv_nsec = st.st_mtim.tv_nsec = st.st_ctim.tv_nsec = nsec;
+        c_getattrs++;
+        reply_attr(req, &st, attr_timeout);
+        return;
+    }
+    py_getattr(req, ino, fi);
+}
+
 void fanstore_patch_open(struct fuse_lowlevel_ops *ops) {
     reply_err = (reply_err_t)fanstore_libfuse_symbol("fuse_reply_err");
     if (ops->open == NULL || ops->release == NULL || reply_err == NULL)
@@ -60,6 +107,11 @@ void fanstore_patch_open(struct fuse_lowlevel_ops *ops) {
     py_release = ops->release;
     ops->open = open_in_c;
     ops->release = release_in_c;
+    reply_attr = (reply_attr_t)fanstore_libfuse_symbol("fuse_reply_attr");
+    if (ops->getattr != NULL && reply_attr != NULL) {
+        py_getattr = ops->getattr;
+        ops->getattr = getattr_in_c;
+    }
 }
 
 PyObject *fanstore_fast_open(PyObject *self, PyObject *arg) {
@@ -75,8 +127,47 @@ PyObject *fanstore_fast_open(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+PyObject *fanstore_fast_attrs(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *obj[NCOLS];
+    Py_buffer got[NCOLS];
+    double timeout;
+    unsigned char kind;
+    if (!PyArg_ParseTuple(args, "OOOOOObd", &obj[KIND], &obj[MODE], &obj[UID], &obj[GID],
+                          &obj[MTIME], &obj[SIZE], &kind, &timeout))
+        return NULL;
+    Py_ssize_t n = -1;
+    int k;
+    for (k = 0; k < NCOLS; k++) {
+        if (PyObject_GetBuffer(obj[k], &got[k], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+            break;
+        Py_ssize_t len = got[k].itemsize ? got[k].len / got[k].itemsize : -1;
+        if (got[k].itemsize != col_itemsize[k] || (n >= 0 && len != n)) {
+            PyBuffer_Release(&got[k]);
+            PyErr_SetString(PyExc_ValueError, "manifest columns of unexpected shape");
+            break;
+        }
+        n = len;
+    }
+    if (k < NCOLS) {
+        while (k-- > 0)
+            PyBuffer_Release(&got[k]);
+        return NULL;
+    }
+    attr_entries = 0;
+    for (k = 0; k < NCOLS; k++) {
+        if (cols[k].obj != NULL) /* called before (an earlier session in this process) */
+            PyBuffer_Release(&cols[k]);
+        cols[k] = got[k];
+    }
+    kind_file = kind;
+    attr_timeout = timeout;
+    attr_entries = (uint64_t)n;
+    Py_RETURN_NONE;
+}
+
 PyObject *fanstore_fast_counts(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
-    return Py_BuildValue("(KK)", c_opens, c_releases);
+    return Py_BuildValue("(KKK)", c_opens, c_releases, c_getattrs);
 }

@@ -1,0 +1,150 @@
+"""Small files on the default (writable) mount against squashfuse_ll, 1 and 4 readers, cold and
+warm: ``python -m bench.smallfile [--files N] [--rounds R] [--ab KEY=VALUE]``.
+
+The issue 11 bar: fanstore-fuse >= 1.0x squashfuse_ll in all four cases. Each system is mounted
+afresh for each reader count (so "cold" also means the daemon's own caches are empty), then read
+cold (after drop_caches) and warm (right after), by 1 or 4 forked readers on disjoint shuffled
+shares (bench._workload). Rounds are interleaved between the systems; the lower median of the
+files/s is reported, with the daemons' CPU (user+sys) per file of that pass. `--ab K=V` adds a
+fanstore-fuse mount with that daemon environment (e.g. FANSTORE_FASTOPEN=0), for A/B in one run.
+Files: bench.cost's tree (n files of 90-130 KB, incompressible, zstd prep).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from ._util import REPO, Mount, log, register, run_cmd, teardown, teardown_all, wait_mounted
+from ._workload import read_rate
+from .cost import Fan, cpu_seconds, prep_tree
+
+CASES = [(readers, cold) for readers in (1, 4) for cold in (True, False)]
+
+
+def _label(readers: int, cold: bool) -> str:
+    return f"{'cold' if cold else 'warm'} {readers}r"
+
+
+def _pass(root: str, files: list[tuple[str, int]], pids: Callable[[], list[int]],
+          readers: int, cold: bool) -> dict:
+    ps = pids()
+    c0 = cpu_seconds(ps)
+    r = read_rate(root, files, readers, cold, seed=readers)
+    r["cpu_us_per_file"] = (cpu_seconds(ps) - c0) / max(r.get("files", 0), 1) * 1e6
+    return r
+
+
+class Squash:
+    """squashfuse_ll over a zstd image of the tree, in the foreground as our child."""
+
+    def __init__(self, work: Path, src: Path, tag: str):
+        image = work / "data.sqfs"
+        if not image.exists():
+            run_cmd(["mksquashfs", str(src), str(image), "-comp", "zstd", "-noappend",
+                     "-no-progress"])
+        self.mp = work / f"mnt-{tag}"
+        self.mp.mkdir(exist_ok=True)
+        exe = shutil.which("squashfuse_ll")
+        if exe is None:
+            raise SystemExit("squashfuse_ll not installed (Debian package squashfuse)")
+        self.proc = subprocess.Popen([exe, "-f", str(image), str(self.mp)],
+                                     stderr=subprocess.PIPE, text=True)
+        self.m = register(Mount(str(self.mp), procs=[self.proc]))
+        wait_mounted(self.mp, 60, self.proc)
+        self.root = str(self.mp)
+
+    def pids(self) -> list[int]:
+        return [self.proc.pid]
+
+    def close(self) -> None:
+        teardown(self.m)
+
+
+class FanMount:
+    def __init__(self, work: Path, dest: Path, tag: str, env: dict):
+        self.fan = Fan(work, dest, tag, 1, [], env)
+        self.root = self.fan.mps[0]
+
+    def pids(self) -> list[int]:
+        return self.fan.pids()
+
+    def close(self) -> None:
+        self.fan.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.smallfile", description=__doc__.split("\n")[0])
+    ap.add_argument("--files", type=int, default=2000)
+    ap.add_argument("--work", default="/tmp/fanstore-bench-cost")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ab", action="append", default=[], metavar="KEY=VALUE[,K2=V2]")
+    ap.add_argument("--json", default=str(REPO / "bench" / "out" / "smallfile.json"))
+    args = ap.parse_args(argv)
+    work = Path(args.work)
+    src, dest, rels = prep_tree(work, args.files)
+    files = [(r, (src / r).stat().st_size) for r in rels]
+    systems: dict[str, Callable[[str], object]] = {
+        "fanstore": lambda tag: FanMount(work, dest, tag, {}),
+        "squashfuse_ll": lambda tag: Squash(work, src, tag),
+    }
+    for ab in args.ab:
+        env = dict(kv.split("=", 1) for kv in ab.split(","))
+        systems[f"fanstore {ab}"] = lambda tag, env=env: FanMount(work, dest, tag, env)
+    runs: dict[str, dict[str, list[dict]]] = {s: {_label(*c): [] for c in CASES} for s in systems}
+    load0 = os.getloadavg()
+    try:
+        for rnd in range(args.rounds):
+            for readers in (1, 4):
+                for k, (name, make) in enumerate(systems.items()):
+                    mnt = make(f"sf{k}")
+                    try:
+                        for cold in (True, False):
+                            r = _pass(mnt.root, files, mnt.pids, readers, cold)  # type: ignore[attr-defined]
+                            runs[name][_label(readers, cold)].append(r)
+                            log(f"round {rnd} {name} {_label(readers, cold)}: "
+                                f"{r.get('files_per_s', 0):,.0f} files/s "
+                                f"{r['cpu_us_per_file']:,.0f} us CPU/file {r.get('error', '')}")
+                    finally:
+                        mnt.close()  # type: ignore[attr-defined]
+    finally:
+        teardown_all()
+    load1 = os.getloadavg()
+    res = {"files": len(files), "loadavg": [load0, load1], "runs": runs}
+    print(f"\nSMALL FILES, {len(files)} files of 90-130 KB, default mount, median of "
+          f"{args.rounds} (load average {load0[0]:.1f} -> {load1[0]:.1f})")
+    head = "".join(f"{_label(*c):>22}" for c in CASES)
+    print(f"  {'files/s (CPU us/file)':30}{head}")
+    best: dict[str, dict[str, dict]] = {}
+    for name, by in runs.items():
+        best[name] = {}
+        cells = ""
+        for c in CASES:
+            good = sorted((r for r in by[_label(*c)] if "error" not in r),
+                          key=lambda r: r["files_per_s"])
+            m = good[(len(good) - 1) // 2] if good else {"files_per_s": 0, "cpu_us_per_file": 0}
+            best[name][_label(*c)] = m
+            cells += f"{m['files_per_s']:>14,.0f} ({m['cpu_us_per_file']:>5,.0f})"
+        print(f"  {name:30}{cells}")
+    anchor = best["squashfuse_ll"]
+    for name in systems:
+        if name == "squashfuse_ll":
+            continue
+        ratios = "".join(
+            f"{best[name][k]['files_per_s'] / max(anchor[k]['files_per_s'], 1):>21.2f}x"
+            for k in (_label(*c) for c in CASES))
+        print(f"  {name + ' / squashfuse_ll':30}{ratios}")
+    res["median"] = best
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
