@@ -78,6 +78,7 @@ def test_dataset_opens_releases_and_getattrs_are_answered_in_c(tmp_path, state_d
         n = 3 * len(files) + 1  # and the read through the symlink
         c = _until(lambda: (lambda c: c if c["c_releases"] >= n else None)(_shim(m))) or _shim(m)
         assert c["c_opens"] == n and c["c_releases"] == n, c
+        assert c["c_lingered"] > 0, c  # answered in the shim's request loop, not via trio
         # every OPEN and RELEASE of these files reached the shim, none Operations
         assert _ops(m, "OPEN", inodes) == c["c_opens"]
         assert _ops(m, "RELEASE", inodes) == c["c_releases"]

@@ -293,7 +293,8 @@ def _mount(cfg: MountConfig, m: _Mounted, view: MountView, settings: Settings) -
         opts.add("debug")
     if cfg.writable and settings.noflush:  # read-only mounts answer FLUSH with ENOSYS
         enable_noflush()
-    fast_open = settings.fast_open and fastopen.enable(view.node.ns, ENTRY_TIMEOUT)
+    fast_open = settings.fast_open and fastopen.enable(view.node.ns, ENTRY_TIMEOUT,
+                                                       settings.fuse_linger_us)
     try:
         pyfuse3.init(Operations(view), m.mountpoint, opts)
     except RuntimeError as e:

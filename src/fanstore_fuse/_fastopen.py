@@ -7,7 +7,9 @@ intent the same answer (the inode as handle, keep_cache), `MountView.release` do
 it, and a dataset file's attributes are the manifest's (the same on every rank). `enable(ns,
 timeout)` (before the session starts) lets the shim give those answers itself from the
 manifest's columns: a warm read of a small file then runs no Python handler at all (on a
-writable mount the kernel asks GETATTR again after each READ it sent: atime). Opens with write
+writable mount the kernel asks GETATTR again after each READ it sent: atime). With `linger_us`,
+the shim's request loop answers such requests one after the other without going back to trio
+between them (see `_shim_open.c`); `c_lingered` counts them. Opens with write
 intent, directories, symlinks and every inode outside ``1..n`` still reach `Operations`. Without
 the shim every request goes to Python.
 """
@@ -23,9 +25,10 @@ from ._namespace import Namespace
 log = logging.getLogger("fanstore_fuse.fastopen")
 
 
-def enable(ns: Namespace, timeout: float) -> bool:
-    """Answer OPEN/RELEASE/GETATTR of the dataset's files in C; False when the shim is absent
-    or refuses (one log line)."""
+def enable(ns: Namespace, timeout: float, linger_us: int = 0) -> bool:
+    """Answer OPEN/RELEASE/GETATTR of the dataset's files in C, and (`linger_us` > 0) wait
+    that long for the next request after each, without returning to trio; False when the shim
+    is absent or refuses (one log line)."""
     shim = _fastclose._shim
     if shim is None:
         log.info("dataset opens go through Python (%s)", _fastclose._why)
@@ -34,7 +37,7 @@ def enable(ns: Namespace, timeout: float) -> bool:
     try:
         shim.fast_attrs(e["kind"], e["mode"], e["uid"], e["gid"], e["mtime_ns"], e["size"],
                         KIND_FILE, timeout)
-        shim.fast_open(len(ns))
+        shim.fast_open(len(ns), linger_us)
     except (ValueError, TypeError, BufferError, AttributeError) as err:
         log.warning("dataset opens go through Python: %s", err)
         return False
@@ -47,7 +50,9 @@ def counts() -> dict[str, int]:
     shim = _fastclose._shim
     if shim is None:
         return {}
-    opens, releases, getattrs = shim.fast_counts() if hasattr(shim, "fast_counts") else (0, 0, 0)
+    opens, releases, getattrs, lingered = (shim.fast_counts() if hasattr(shim, "fast_counts")
+                                           else (0, 0, 0, 0))
     return {"c_opens": int(opens), "c_releases": int(releases), "c_getattrs": int(getattrs),
+            "c_lingered": int(lingered),
             "noflush_opens": _fastclose.noflush_opens(),
             "cached_listings": _fastclose.cached_listings()}

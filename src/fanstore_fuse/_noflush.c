@@ -149,9 +149,9 @@ static PyMethodDef methods[] = {
     {"count", count, METH_NOARGS, "count(): opens answered with noflush so far"},
     {"mark_dir", mark_dir, METH_O, "mark_dir(fh): cache the listing of the next opendir reply"},
     {"dirs", dirs, METH_NOARGS, "dirs(): opendir replies sent with cache_readdir so far"},
-    {"fast_open", fanstore_fast_open, METH_O, "fast_open(n): answer OPEN/RELEASE of inodes 1..n in C"},
+    {"fast_open", fanstore_fast_open, METH_VARARGS, "fast_open(n, linger_us): OPEN/RELEASE of 1..n in C"},
     {"fast_attrs", fanstore_fast_attrs, METH_VARARGS, "fast_attrs(kind, mode, uid, gid, mtime_ns, size, KIND_FILE, timeout)"},
-    {"fast_counts", fanstore_fast_counts, METH_NOARGS, "fast_counts(): (opens, releases, getattrs) in C"},
+    {"fast_counts", fanstore_fast_counts, METH_NOARGS, "fast_counts(): (opens, releases, getattrs, lingered) in C"},
     {NULL, NULL, 0, NULL},
 };
 

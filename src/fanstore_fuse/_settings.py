@@ -10,6 +10,7 @@
 | `FANSTORE_MPI_SEND_POLL` | 2e-05 | first poll interval (s) while a send is pending |
 | `FANSTORE_NOFLUSH` | 1 | writable mount: open read-only files with FOPEN_NOFLUSH (0: flush every close) |
 | `FANSTORE_FASTOPEN` | 1 | answer OPEN/RELEASE of dataset files in the C shim (0: in Python) |
+| `FANSTORE_FUSE_LINGER_US` | 200 | after a request answered in C, wait for the next (us; 0: back to trio) |
 | `FANSTORE_MPI_REPLY_POLL` | 2e-05 | first poll interval (s) while replies are due (0: idle backoff) |
 | `FANSTORE_MPI_BACKOFF` | 2.0 | growth of the MPI thread's poll interval while nothing arrives (1: fixed) |
 | `FANSTORE_MPI_DOORBELL` | 1 | a UDP doorbell rung with each frame sent wakes the peer (0: poll only) |
@@ -38,6 +39,7 @@ _ENV = {
     "mpi_reply_poll": "FANSTORE_MPI_REPLY_POLL",
     "noflush": "FANSTORE_NOFLUSH",
     "fast_open": "FANSTORE_FASTOPEN",
+    "fuse_linger_us": "FANSTORE_FUSE_LINGER_US",
     "mpi_inline": "FANSTORE_MPI_INLINE",
     "mpi_backoff": "FANSTORE_MPI_BACKOFF",
     "mpi_doorbell": "FANSTORE_MPI_DOORBELL",
@@ -84,6 +86,7 @@ class Settings:
     mpi_reply_poll: float = 20e-6
     noflush: int = 1
     fast_open: int = 1
+    fuse_linger_us: int = 200
     mpi_inline: int = 1
     mpi_backoff: float = 2.0
     mpi_doorbell: int = 1
