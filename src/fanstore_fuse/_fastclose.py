@@ -1,5 +1,5 @@
-"""FOPEN_NOFLUSH for read-only opens on a writable mount, and FOPEN_CACHE_DIR for the listings
-of the dataset's directories, through the `_noflush` C shim.
+"""FOPEN_NOFLUSH for read-only opens on a writable mount, FOPEN_CACHE_DIR for the listings
+of the dataset's directories, and plain READDIR (`_shim_readdir.c`), through the `_noflush` C shim.
 
 The kernel sends FLUSH on every close(2) unless open answered FOPEN_NOFLUSH; pyfuse3's FileInfo
 cannot say so. `load()` (run when the package's `__init__` imports this module, before anything
@@ -74,6 +74,24 @@ def cached_listings() -> int:
 def patched_sessions() -> int:
     """FUSE sessions this process created with the shim's patched table of operations."""
     return int(_shim.patched()) if _shim is not None else 0
+
+
+PLAIN_FH = 1 << 63  # set by _shim_readdir.c on the handle of a plain READDIR request
+
+
+def plain_entries(on: bool) -> None:
+    """While on, pyfuse3.readdir_reply writes plain READDIR entries (inode and type only): only
+    around the replies of a request whose handle had PLAIN_FH, with no await in between."""
+    if _shim is not None:
+        _shim.plain_entries(on)
+
+
+def readdir_stats() -> tuple[bool, int, int]:
+    """(READDIRPLUS_AUTO granted at init, READDIR requests answered, plain entries written)."""
+    if _shim is None:
+        return False, 0, 0
+    auto, requests, entries = _shim.readdir_stats()
+    return bool(auto), int(requests), int(entries)
 
 
 def noflush_opens() -> int:
