@@ -17,6 +17,10 @@ import logging
 import os
 import sys
 from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._format import Manifest
 
 log = logging.getLogger("fanstore_fuse.fastclose")
 
@@ -86,12 +90,30 @@ def plain_entries(on: bool) -> None:
         _shim.plain_entries(on)
 
 
-def readdir_stats() -> tuple[bool, int, int]:
-    """(READDIRPLUS_AUTO granted at init, READDIR requests answered, plain entries written)."""
+def readdir_stats() -> dict[str, int]:
+    """READDIRPLUS_AUTO granted at init (0/1), READDIR requests, plain entries Python wrote,
+    LOOKUPs and listing replies answered in C from the manifest's columns."""
+    keys = ("auto", "readdir", "plain_entries", "c_lookups", "c_listings")
+    return dict(zip(keys, _shim.readdir_stats() if _shim is not None else (0,) * 5, strict=True))
+
+
+def serve_dataset(m: Manifest, timeout: float, plus_max: int) -> bool:
+    """Let the shim answer LOOKUP of dataset names and the dataset part of dataset listings
+    from the manifest's mapped columns (held until the process ends), with `timeout` as entry
+    and attribute timeout and at most `plus_max` entries (0: no limit) per READDIRPLUS reply.
+    Only once the dataset's metadata is answered locally. False without a patched session."""
     if _shim is None:
-        return False, 0, 0
-    auto, requests, entries = _shim.readdir_stats()
-    return bool(auto), int(requests), int(entries)
+        return False
+    e = m.entries
+    cols = (e["kind"], e["mode"], e["uid"], e["gid"], e["count"], e["mtime_ns"], e["size"],
+            e["first"], m.name_off, m.names)
+    try:
+        _shim.serve_dataset(cols, m.n_entries, timeout, plus_max)
+    except (OSError, ValueError) as err:
+        log.info("dataset lookups and listings stay in Python: %s", err)
+        return False
+    log.info("dataset lookups and listings answered by the C shim")
+    return True
 
 
 def noflush_opens() -> int:

@@ -17,9 +17,9 @@ from typing import Any, TypeVar, cast
 import pyfuse3
 
 from ._errors import FanstoreError, InvalidArgument, ReadOnly
-from ._fastclose import PLAIN_FH, cache_listing, plain_entries
+from ._fastclose import PLAIN_FH, cache_listing, plain_entries, serve_dataset
 from ._namespace import Record
-from ._view import MountView
+from ._view import ENTRY_TIMEOUT, MountView
 
 log = logging.getLogger("fanstore_fuse.fuse")
 
@@ -30,6 +30,7 @@ _QUIET = {errno.ENOENT, errno.ENODATA, errno.EROFS, errno.EEXIST, errno.ENOTEMPT
 F = TypeVar("F", bound=Callable[..., Coroutine[Any, Any, Any]])
 FIRST_BATCH = 32  # entries built for the first part of one readdir request (grows if they fit)
 PLAIN_BATCH = 128  # the same for a plain READDIR request (~85 entries of ~20-byte names a page)
+PLUS_MAX = 0  # entries in one READDIRPLUS reply the C shim writes (0: as many as fit)
 
 
 def _translate(fn: F) -> F:
@@ -66,6 +67,14 @@ class Operations(pyfuse3.Operations):
     def __init__(self, view: MountView):
         super().__init__()
         self.view = view
+        self._in_c = False  # dataset lookups and listings answered by the C shim
+
+    def _hand_to_c(self) -> None:
+        """Once the dataset's metadata is answered from the local map (at once on one rank,
+        after warm-up on several), the shim answers dataset lookups and listings itself."""
+        if not self._in_c and getattr(self.view.node.meta, "local", True):
+            serve_dataset(self.view.node.ns.m, ENTRY_TIMEOUT, PLUS_MAX)
+            self._in_c = True  # asked once: a refusal is logged, and stands
 
     def _attr(self, r: Record) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
@@ -87,6 +96,7 @@ class Operations(pyfuse3.Operations):
 
     @_translate
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext):
+        self._hand_to_c()
         return self._attr(await self.view.lookup(parent_inode, name))
 
     @_translate
@@ -107,6 +117,7 @@ class Operations(pyfuse3.Operations):
 
     @_translate
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        self._hand_to_c()
         fh = await self.view.opendir(inode)
         if await self.view.listing_fixed(inode):
             cache_listing(fh)  # last, right before the reply: the shim marks the next reply only

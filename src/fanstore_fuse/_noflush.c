@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "_shim_ops.h"
+#include "_shim_readdir.h"
 
 typedef int (*reply_open_t)(fuse_req_t, const struct fuse_file_info *);
 
@@ -143,31 +144,13 @@ static PyObject *patched(PyObject *self, PyObject *unused) {
     return PyLong_FromLong(sessions_patched);
 }
 
-/* Plain READDIR (_shim_readdir.c). */
-static PyObject *plain_entries(PyObject *self, PyObject *arg) {
-    (void)self;
-    int on = PyObject_IsTrue(arg);
-    if (on < 0)
-        return NULL;
-    fanstore_plain_entries(on);
-    Py_RETURN_NONE;
-}
-
-static PyObject *readdir_stats(PyObject *self, PyObject *unused) {
-    (void)self;
-    (void)unused;
-    return Py_BuildValue("(iKK)", fanstore_readdir_auto(), fanstore_plain_requests(),
-                         fanstore_plain_entry_count());
-}
-
 static PyMethodDef methods[] = {
     {"patched", patched, METH_NOARGS, "patched(): FUSE sessions created with the patched table"},
     {"enable", enable, METH_O, "enable(on): set noflush on replies to read-only opens"},
     {"count", count, METH_NOARGS, "count(): opens answered with noflush so far"},
     {"mark_dir", mark_dir, METH_O, "mark_dir(fh): cache the listing of the next opendir reply"},
     {"dirs", dirs, METH_NOARGS, "dirs(): opendir replies sent with cache_readdir so far"},
-    {"plain_entries", plain_entries, METH_O, "plain_entries(on): readdir_reply writes plain entries"},
-    {"readdir_stats", readdir_stats, METH_NOARGS, "readdir_stats(): (auto granted, READDIRs, entries)"},
+    FANSTORE_READDIR_METHODS
     {NULL, NULL, 0, NULL},
 };
 
