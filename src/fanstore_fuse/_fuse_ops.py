@@ -30,7 +30,9 @@ _QUIET = {errno.ENOENT, errno.ENODATA, errno.EROFS, errno.EEXIST, errno.ENOTEMPT
 F = TypeVar("F", bound=Callable[..., Coroutine[Any, Any, Any]])
 FIRST_BATCH = 32  # entries built for the first part of one readdir request (grows if they fit)
 PLAIN_BATCH = 128  # the same for a plain READDIR request (~85 entries of ~20-byte names a page)
-PLUS_MAX = 0  # entries in one READDIRPLUS reply the C shim writes (0: as many as fit)
+PLUS_MAX = 1  # entries of a READDIRPLUS reply of the C shim while no file is stat'ed (0: all)
+FILE_BLKSIZE = 1 << 17
+DIR_BLKSIZE = 1 << 20  # glibc's readdir reads st_blksize bytes at a time (up to 1 MiB)
 
 
 def _translate(fn: F) -> F:
@@ -87,7 +89,7 @@ class Operations(pyfuse3.Operations):
         a.st_gid = r.gid
         a.st_rdev = r.first if stat.S_ISCHR(r.mode) or stat.S_ISBLK(r.mode) else 0
         a.st_size = r.size
-        a.st_blksize = 1 << 17
+        a.st_blksize = DIR_BLKSIZE if r.is_dir else FILE_BLKSIZE
         a.st_blocks = (r.size + 511) // 512
         a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = r.mtime_ns
         return a

@@ -72,6 +72,8 @@ static void init_auto(void *userdata, struct fuse_conn_info *conn) {
 /* ------------------------------------------------------------ the dataset's columns */
 
 #define KIND_DIR 1
+#define DIR_BLKSIZE (1 << 20) /* as Operations._attr */
+#define FILE_BLKSIZE (1 << 17)
 #define NAME_MAX_BYTES 255
 
 struct columns {
@@ -82,13 +84,14 @@ struct columns {
     const uint64_t *size, *first, *name_off;
     const char *names;
     double timeout;
-    uint32_t plus_max; /* entries in one READDIRPLUS reply (0: as many as fit) */
+    uint32_t plus_max; /* entries in a READDIRPLUS reply while nothing is stat'ed (0: all) */
 };
 
 static struct columns ds;
 static int ds_on;
 static int plain_on;
 static unsigned long long c_lookups, c_listings;
+static unsigned long long file_lookups, file_lookups_seen; /* non-directories looked up */
 
 /* Index of the dataset directory behind `ino`, or -1. */
 static int64_t dataset_dir(fuse_ino_t ino) {
@@ -140,7 +143,9 @@ static void fill_entry(uint64_t j, struct fuse_entry_param *e) {
     st->st_gid = ds.gid[j];
     st->st_rdev = (S_ISCHR(mode) || S_ISBLK(mode)) ? (dev_t)ds.first[j] : 0;
     st->st_size = (off_t)ds.size[j];
-    st->st_blksize = 1 << 17;
+    /* glibc's readdir reads a directory in st_blksize chunks (up to 1 MiB), and the kernel
+     * asks for as much: one READDIRPLUS chunk then holds a 1,300-entry directory. */
+    st->st_blksize = ds.kind[j] == KIND_DIR ? DIR_BLKSIZE : FILE_BLKSIZE;
     st->st_blocks = (blkcnt_t)((ds.size[j] + 511) / 512);
     int64_t t = ds.mtime_ns[j], sec = t / 1000000000, ns = t % 1000000000;
     if (ns < 0) { /* floor, as pyfuse3's setters */
@@ -161,6 +166,7 @@ static void lookup_c(fuse_req_t req, fuse_ino_t parent, const char *name) {
             struct fuse_entry_param e;
             fill_entry((uint64_t)j, &e);
             c_lookups++;
+            file_lookups += ds.kind[j] != KIND_DIR;
             reply_entry(req, &e);
             return;
         }
@@ -168,17 +174,33 @@ static void lookup_c(fuse_req_t req, fuse_ino_t parent, const char *name) {
     py_lookup(req, parent, name); /* not the dataset's: maybe written */
 }
 
+/* How many entries a READDIRPLUS reply from `off` in `dir` may hold. The kernel asks READDIRPLUS
+ * for a listing's first chunk (and after a lookup in the directory), READDIR otherwise. Whether
+ * the attributes are wanted shows in the lookups that follow: a `find` looks up no file, a walk
+ * that stats every entry looks up those not given with attributes. So: while files were looked
+ * up since the previous READDIRPLUS reply, give every entry with its attributes but the last
+ * (whose LOOKUP keeps this going); else only plus_max entries, the rest then comes plain. */
+static uint64_t plus_entries(int64_t dir, off_t off) {
+    uint64_t left = ds.count[dir] - (uint64_t)off;
+    int stat_mode = file_lookups != file_lookups_seen;
+    file_lookups_seen = file_lookups;
+    if (stat_mode || ds.plus_max == 0)
+        return left > 1 && stat_mode ? left - 1 : left;
+    return ds.plus_max < left ? ds.plus_max : left;
+}
+
 /* The dataset part of a dataset directory's listing from position `off`; 0 if not ours. */
 static int readdir_c(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, int plus) {
     int64_t dir = dataset_dir(ino);
     if (dir < 0 || off < 0 || (uint64_t)off >= ds.count[dir])
         return 0; /* the written entries after the dataset's, and the end: Python */
+    uint64_t most = plus ? plus_entries(dir, off) : UINT64_MAX;
     char *buf = malloc(size ? size : 1);
     if (buf == NULL)
         return 0;
     char name[NAME_MAX_BYTES + 1];
     size_t used = 0;
-    uint32_t n = 0;
+    uint64_t n = 0;
     for (uint64_t pos = (uint64_t)off; pos < ds.count[dir]; pos++) {
         uint64_t j = ds.first[dir] + pos;
         size_t len = ds.name_off[j + 1] - ds.name_off[j], k;
@@ -200,7 +222,7 @@ static int readdir_c(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, int
         if (k > size - used)
             break;
         used += k;
-        if (++n == ds.plus_max && plus)
+        if (++n == most)
             break;
     }
     c_listings++;
