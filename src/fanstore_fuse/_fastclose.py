@@ -1,5 +1,6 @@
 """FOPEN_NOFLUSH for read-only opens on a writable mount, FOPEN_CACHE_DIR for the listings
-of the dataset's directories, and plain READDIR (`_shim_readdir.c`), through the `_noflush` C shim.
+of the dataset's directories, plain READDIR and dataset lookups and listings answered in C
+(`_shim_readdir.c`, issue 14), through the `_noflush` C shim.
 
 The kernel sends FLUSH on every close(2) unless open answered FOPEN_NOFLUSH; pyfuse3's FileInfo
 cannot say so. `load()` (run when the package's `__init__` imports this module, before anything
