@@ -36,6 +36,13 @@ def _tree(root: Path) -> None:
     os.utime(root / "mixed" / "file", ns=(1_500_000_000_123_456_789, 1_500_000_000_123_456_789))
 
 
+@pytest.fixture
+def prepped(tmp_path) -> tuple[Path, Path]:
+    """(source tree, its prepped DEST)."""
+    _tree(tmp_path / "src")
+    return tmp_path / "src", prep_cli(tmp_path / "src", tmp_path / "dest")
+
+
 def _scan(root: str) -> list[tuple[str, str]]:
     """(relative path, type from d_type) of every entry under root, sorted."""
     out: list[tuple[str, str]] = []
@@ -83,10 +90,8 @@ def _wait_for(m, text: str, timeout: float = 30.0) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_find_gets_plain_readdir_walk_gets_attributes(tmp_path, state_dir):
-    src = tmp_path / "src"
-    _tree(src)
-    dest = prep_cli(src, tmp_path / "dest")
+def test_find_gets_plain_readdir_walk_gets_attributes(tmp_path, state_dir, prepped):
+    src, dest = prepped
     with mounted(dest, tmp_path / "mnt", state_dir, local=tmp_path / "local",
                  extra_args=["--debug"]) as m:
         mp = os.fspath(m.path)
@@ -122,10 +127,8 @@ def test_find_gets_plain_readdir_walk_gets_attributes(tmp_path, state_dir):
 
 
 @pytest.mark.timeout(300)
-def test_listings_and_attributes_on_three_ranks(tmp_path, state_dir):
-    src = tmp_path / "src"
-    _tree(src)
-    dest = prep_cli(src, tmp_path / "dest")
+def test_listings_and_attributes_on_three_ranks(tmp_path, state_dir, prepped):
+    src, dest = prepped
     with mounted(dest, tmp_path / "mnt-{rank}", state_dir, local=tmp_path / "local-{rank}",
                  ranks=3) as m:
         for mp in m.mountpoints[:2]:
