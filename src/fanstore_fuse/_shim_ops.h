@@ -11,10 +11,4 @@ void *fanstore_libfuse_symbol(const char *name); /* libfuse3's own definition of
 void fanstore_patch_readdir(struct fuse_lowlevel_ops *ops); /* _shim_readdir.c */
 void fanstore_patch_open(struct fuse_lowlevel_ops *ops);    /* _shim_open.c */
 
-/* _shim_readdir.c's side for Python (methods of _noflush). */
-void fanstore_plain_entries(int on);               /* readdir_reply writes plain entries */
-int fanstore_readdir_auto(void);                   /* READDIRPLUS_AUTO granted at init */
-unsigned long long fanstore_plain_requests(void);  /* READDIR requests answered */
-unsigned long long fanstore_plain_entry_count(void);
-
 #endif
