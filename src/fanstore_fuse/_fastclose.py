@@ -1,5 +1,6 @@
-"""FOPEN_NOFLUSH for read-only opens on a writable mount, and FOPEN_CACHE_DIR for the listings
-of the dataset's directories, through the `_noflush` C shim.
+"""FOPEN_NOFLUSH for read-only opens on a writable mount, FOPEN_CACHE_DIR for the listings
+of the dataset's directories, plain READDIR and dataset lookups and listings answered in C
+(`_shim_readdir.c`, issue 14), through the `_noflush` C shim.
 
 The kernel sends FLUSH on every close(2) unless open answered FOPEN_NOFLUSH; pyfuse3's FileInfo
 cannot say so. `load()` (run when the package's `__init__` imports this module, before anything
@@ -17,6 +18,10 @@ import logging
 import os
 import sys
 from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._format import Manifest
 
 log = logging.getLogger("fanstore_fuse.fastclose")
 
@@ -74,6 +79,42 @@ def cached_listings() -> int:
 def patched_sessions() -> int:
     """FUSE sessions this process created with the shim's patched table of operations."""
     return int(_shim.patched()) if _shim is not None else 0
+
+
+PLAIN_FH = 1 << 63  # set by _shim_readdir.c on the handle of a plain READDIR request
+
+
+def plain_entries(on: bool) -> None:
+    """While on, pyfuse3.readdir_reply writes plain READDIR entries (inode and type only): only
+    around the replies of a request whose handle had PLAIN_FH, with no await in between."""
+    if _shim is not None:
+        _shim.plain_entries(on)
+
+
+def readdir_stats() -> dict[str, int]:
+    """READDIRPLUS_AUTO granted at init (0/1), READDIR requests, plain entries Python wrote,
+    LOOKUPs and listing replies answered in C from the manifest's columns."""
+    keys = ("auto", "readdir", "plain_entries", "c_lookups", "c_listings")
+    return dict(zip(keys, _shim.readdir_stats() if _shim is not None else (0,) * 5, strict=True))
+
+
+def serve_dataset(m: Manifest, timeout: float, plus_max: int) -> bool:
+    """Let the shim answer LOOKUP of dataset names and the dataset part of dataset listings
+    from the manifest's mapped columns (held until the process ends), with `timeout` as entry
+    and attribute timeout and at most `plus_max` entries (0: no limit) per READDIRPLUS reply.
+    Only once the dataset's metadata is answered locally. False without a patched session."""
+    if _shim is None:
+        return False
+    e = m.entries
+    cols = (e["kind"], e["mode"], e["uid"], e["gid"], e["count"], e["mtime_ns"], e["size"],
+            e["first"], m.name_off, m.names)
+    try:
+        _shim.serve_dataset(cols, m.n_entries, timeout, plus_max)
+    except (OSError, ValueError) as err:
+        log.info("dataset lookups and listings stay in Python: %s", err)
+        return False
+    log.info("dataset lookups and listings answered by the C shim")
+    return True
 
 
 def noflush_opens() -> int:

@@ -17,9 +17,9 @@ from typing import Any, TypeVar, cast
 import pyfuse3
 
 from ._errors import FanstoreError, InvalidArgument, ReadOnly
-from ._fastclose import cache_listing
+from ._fastclose import PLAIN_FH, cache_listing, plain_entries, serve_dataset
 from ._namespace import Record
-from ._view import MountView
+from ._view import ENTRY_TIMEOUT, MountView
 
 log = logging.getLogger("fanstore_fuse.fuse")
 
@@ -29,6 +29,10 @@ _QUIET = {errno.ENOENT, errno.ENODATA, errno.EROFS, errno.EEXIST, errno.ENOTEMPT
 
 F = TypeVar("F", bound=Callable[..., Coroutine[Any, Any, Any]])
 FIRST_BATCH = 32  # entries built for the first part of one readdir request (grows if they fit)
+PLAIN_BATCH = 128  # the same for a plain READDIR request (~85 entries of ~20-byte names a page)
+PLUS_MAX = 1  # entries of a READDIRPLUS reply of the C shim while no file is stat'ed (0: all)
+FILE_BLKSIZE = 1 << 17
+DIR_BLKSIZE = 1 << 20  # glibc's readdir reads st_blksize bytes at a time (up to 1 MiB)
 
 
 def _translate(fn: F) -> F:
@@ -65,6 +69,14 @@ class Operations(pyfuse3.Operations):
     def __init__(self, view: MountView):
         super().__init__()
         self.view = view
+        self._in_c = False  # dataset lookups and listings answered by the C shim
+
+    def _hand_to_c(self) -> None:
+        """Once the dataset's metadata is answered from the local map (at once on one rank,
+        after warm-up on several), the shim answers dataset lookups and listings itself."""
+        if not self._in_c and getattr(self.view.node.meta, "local", True):
+            serve_dataset(self.view.node.ns.m, ENTRY_TIMEOUT, PLUS_MAX)
+            self._in_c = True  # asked once: a refusal is logged, and stands
 
     def _attr(self, r: Record) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
@@ -77,7 +89,7 @@ class Operations(pyfuse3.Operations):
         a.st_gid = r.gid
         a.st_rdev = r.first if stat.S_ISCHR(r.mode) or stat.S_ISBLK(r.mode) else 0
         a.st_size = r.size
-        a.st_blksize = 1 << 17
+        a.st_blksize = DIR_BLKSIZE if r.is_dir else FILE_BLKSIZE
         a.st_blocks = (r.size + 511) // 512
         a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = r.mtime_ns
         return a
@@ -86,6 +98,7 @@ class Operations(pyfuse3.Operations):
 
     @_translate
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext):
+        self._hand_to_c()
         return self._attr(await self.view.lookup(parent_inode, name))
 
     @_translate
@@ -106,6 +119,7 @@ class Operations(pyfuse3.Operations):
 
     @_translate
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        self._hand_to_c()
         fh = await self.view.opendir(inode)
         if await self.view.listing_fixed(inode):
             cache_listing(fh)  # last, right before the reply: the shim marks the next reply only
@@ -113,6 +127,8 @@ class Operations(pyfuse3.Operations):
 
     @_translate
     async def readdir(self, fh: int, start_id: int, token) -> None:
+        if fh & PLAIN_FH:
+            return await self._readdir_plain(fh & ~PLAIN_FH, start_id, token)
         pos = start_id
         more = True
         limit = FIRST_BATCH  # a READDIRPLUS buffer holds ~20 entries: build no more than fit
@@ -124,6 +140,29 @@ class Operations(pyfuse3.Operations):
                 pos += 1
                 if not pyfuse3.readdir_reply(token, r.name, self._attr(r), pos):
                     return
+            limit = min(4 * limit, 1024)
+
+    async def _readdir_plain(self, fh: int, start_id: int, token) -> None:
+        """A READDIR request (see _shim_readdir.c): only each entry's inode and type are
+        written, so one EntryAttributes serves the whole request."""
+        a = pyfuse3.EntryAttributes()
+        pos = start_id
+        more = True
+        limit = PLAIN_BATCH
+        while more:
+            batch, more = await self.view.listing(fh, pos, limit)
+            if not batch:
+                return
+            plain_entries(True)
+            try:
+                for r in batch:
+                    pos += 1
+                    a.st_ino = r.inode
+                    a.st_mode = r.mode
+                    if not pyfuse3.readdir_reply(token, r.name, a, pos):
+                        return
+            finally:
+                plain_entries(False)
             limit = min(4 * limit, 1024)
 
     async def releasedir(self, fh: int) -> None:

@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "_shim_ops.h"
+#include "_shim_readdir.h"
 
 typedef int (*reply_open_t)(fuse_req_t, const struct fuse_file_info *);
 
@@ -152,6 +153,7 @@ static PyMethodDef methods[] = {
     {"fast_open", fanstore_fast_open, METH_VARARGS, "fast_open(n, linger_us): OPEN/RELEASE of 1..n in C"},
     {"fast_attrs", fanstore_fast_attrs, METH_VARARGS, "fast_attrs(kind, mode, uid, gid, mtime_ns, size, KIND_FILE, timeout)"},
     {"fast_counts", fanstore_fast_counts, METH_NOARGS, "fast_counts(): (opens, releases, getattrs, lingered) in C"},
+    FANSTORE_READDIR_METHODS
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,5 +1,373 @@
-/* Directory listings answered with plain READDIR where the kernel allows (issue 14): not yet
- * patched. */
-#include "_shim_ops.h"
+/* Directory listings answered with plain READDIR where the kernel allows (issue 14).
+ *
+ * pyfuse3 3.5 registers only readdirplus and clears FUSE_CAP_READDIRPLUS_AUTO in its init, so
+ * every listing chunk is a READDIRPLUS: the kernel instantiates an inode and a dentry for every
+ * entry, which `find` (it needs only d_type) pays for in system time. This patch
+ *
+ * - wraps init: pyfuse3's runs first, then READDIRPLUS_AUTO is wanted again (when the kernel
+ *   offers it). The kernel then asks READDIRPLUS for the first chunk of a listing and for a
+ *   chunk after a lookup in that directory, plain READDIR otherwise (fs/fuse/readdir.c,
+ *   fuse_use_readdirplus);
+ * - answers READDIR with pyfuse3's readdirplus handler, the file handle it hands to Python
+ *   marked with PLAIN_FH_BIT: Python's readdir strips the bit and calls plain_entries(True)
+ *   around the (synchronous) readdir_reply calls of such a request;
+ * - interposes fuse_add_direntry_plus (pyfuse3's readdir_reply calls it; the shim is in the
+ *   global symbol scope before pyfuse3 is imported, see _noflush.c): while plain entries are on,
+ *   it writes a plain record (inode and type from the attributes) with fuse_add_direntry, so
+ *   sizes and offsets stay what the kernel expects of a READDIR reply.
+ *
+ * Once Python hands over the manifest's columns (serve_dataset: the dataset's metadata is
+ * answered locally and never changes), LOOKUP of a dataset name and READDIR/READDIRPLUS of the
+ * dataset part of a dataset directory are answered here, from the mapped columns, without
+ * Python: the same attributes Operations._attr gives. Anything else (".", "..", a name the
+ * dataset lacks, which may be a written one, the written entries after a listing's dataset
+ * part, directories written on this or another rank) goes to pyfuse3's handlers as before.
+ *
+ * The kernel counts no lookups for plain entries; the daemon keeps no lookup counts (inode
+ * numbers are stable, forget does nothing), so nothing else changes. All of this runs on the one
+ * thread that serves requests.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
 
-void fanstore_patch_readdir(struct fuse_lowlevel_ops *ops) { (void)ops; }
+#include "_shim_ops.h"
+#include "_shim_readdir.h"
+
+#define PLAIN_FH_BIT (UINT64_C(1) << 63)
+
+typedef void (*init_t)(void *, struct fuse_conn_info *);
+typedef void (*readdir_t)(fuse_req_t, fuse_ino_t, size_t, off_t, struct fuse_file_info *);
+typedef size_t (*add_plus_t)(fuse_req_t, char *, size_t, const char *,
+                             const struct fuse_entry_param *, off_t);
+typedef size_t (*add_plain_t)(fuse_req_t, char *, size_t, const char *, const struct stat *,
+                              off_t);
+
+typedef void (*lookup_t)(fuse_req_t, fuse_ino_t, const char *);
+typedef int (*reply_entry_t)(fuse_req_t, const struct fuse_entry_param *);
+typedef int (*reply_buf_t)(fuse_req_t, const char *, size_t);
+
+static init_t py_init;
+static readdir_t py_readdirplus;
+static lookup_t py_lookup;
+static reply_entry_t reply_entry;
+static reply_buf_t reply_buf;
+static add_plus_t add_plus;
+static add_plain_t add_plain;
+static int auto_granted;
+static unsigned long long plain_requests;
+static unsigned long long plain_entries;
+
+static void init_auto(void *userdata, struct fuse_conn_info *conn) {
+    py_init(userdata, conn);
+    if (conn->capable & FUSE_CAP_READDIRPLUS_AUTO) {
+        conn->want |= FUSE_CAP_READDIRPLUS_AUTO;
+        auto_granted = 1;
+    }
+}
+
+/* ------------------------------------------------------------ the dataset's columns */
+
+#define KIND_DIR 1
+#define DIR_BLKSIZE (1 << 20) /* as Operations._attr */
+#define FILE_BLKSIZE (1 << 17)
+#define NAME_MAX_BYTES 255
+
+struct columns {
+    uint64_t n; /* entries; entry i is inode i + 1 (Python's serve_dataset fills this) */
+    const uint8_t *kind;
+    const uint32_t *mode, *uid, *gid, *count;
+    const int64_t *mtime_ns;
+    const uint64_t *size, *first, *name_off;
+    const char *names;
+    double timeout;
+    uint32_t plus_max; /* entries in a READDIRPLUS reply while nothing is stat'ed (0: all) */
+};
+
+static struct columns ds;
+static int ds_on;
+static int plain_on;
+static unsigned long long c_lookups, c_listings;
+static unsigned long long file_lookups, file_lookups_seen; /* non-directories looked up */
+
+/* Index of the dataset directory behind `ino`, or -1. */
+static int64_t dataset_dir(fuse_ino_t ino) {
+    if (!ds_on || ino < 1 || ino > ds.n || ds.kind[ino - 1] != KIND_DIR)
+        return -1;
+    return (int64_t)(ino - 1);
+}
+
+static int name_cmp(uint64_t j, const char *name, size_t len) {
+    const char *c = ds.names + ds.name_off[j];
+    size_t clen = ds.name_off[j + 1] - ds.name_off[j];
+    int r = memcmp(c, name, clen < len ? clen : len);
+    if (r != 0)
+        return r;
+    return clen < len ? -1 : clen > len;
+}
+
+static int64_t find_child(uint64_t dir, const char *name, size_t len) {
+    uint64_t lo = ds.first[dir], hi = lo + ds.count[dir];
+    while (lo < hi) {
+        uint64_t mid = lo + (hi - lo) / 2;
+        int r = name_cmp(mid, name, len);
+        if (r == 0)
+            return (int64_t)mid;
+        if (r < 0)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return -1;
+}
+
+static void fill_entry(uint64_t j, struct fuse_entry_param *e) {
+    memset(e, 0, sizeof(*e));
+    struct stat *st = &e->attr;
+    uint32_t mode = ds.mode[j];
+    e->ino = j + 1;
+    e->attr_timeout = e->entry_timeout = ds.timeout;
+    st->st_ino = j + 1;
+    st->st_mode = mode;
+    st->st_nlink = 1;
+    if (ds.kind[j] == KIND_DIR) { /* 2 + subdirectories, as Namespace._nlink */
+        uint64_t c0 = ds.first[j];
+        st->st_nlink = 2;
+        for (uint64_t k = c0; k < c0 + ds.count[j]; k++)
+            st->st_nlink += ds.kind[k] == KIND_DIR;
+    }
+    st->st_uid = ds.uid[j];
+    st->st_gid = ds.gid[j];
+    st->st_rdev = (S_ISCHR(mode) || S_ISBLK(mode)) ? (dev_t)ds.first[j] : 0;
+    st->st_size = (off_t)ds.size[j];
+    /* glibc's readdir reads a directory in st_blksize chunks (up to 1 MiB), and the kernel
+     * asks for as much: one READDIRPLUS chunk then holds a 1,300-entry directory. */
+    st->st_blksize = ds.kind[j] == KIND_DIR ? DIR_BLKSIZE : FILE_BLKSIZE;
+    st->st_blocks = (blkcnt_t)((ds.size[j] + 511) / 512);
+    int64_t t = ds.mtime_ns[j], sec = t / 1000000000, ns = t % 1000000000;
+    if (ns < 0) { /* floor, as pyfuse3's setters */
+        ns += 1000000000;
+        sec -= 1;
+    }
+    st->st_atim.tv_sec = st->st_mtim.tv_sec = st->st_ctim.tv_sec = sec;
+    st->st_atim.tv_nsec = st->st_mtim.tv_nsec = st->st_ctim.tv_nsec = ns;
+}
+
+static void lookup_c(fuse_req_t req, fuse_ino_t parent, const char *name) {
+    int64_t dir = dataset_dir(parent);
+    if (dir >= 0) {
+        size_t len = strlen(name);
+        int dots = name[0] == '.' && (len == 1 || (len == 2 && name[1] == '.'));
+        int64_t j = (len <= NAME_MAX_BYTES && !dots) ? find_child((uint64_t)dir, name, len) : -1;
+        if (j >= 0) {
+            struct fuse_entry_param e;
+            fill_entry((uint64_t)j, &e);
+            c_lookups++;
+            file_lookups += ds.kind[j] != KIND_DIR;
+            reply_entry(req, &e);
+            return;
+        }
+    }
+    py_lookup(req, parent, name); /* not the dataset's: maybe written */
+}
+
+/* How many entries a READDIRPLUS reply from `off` in `dir` may hold. The kernel asks READDIRPLUS
+ * for a listing's first chunk (and after a lookup in the directory), READDIR otherwise. Whether
+ * the attributes are wanted shows in the lookups that follow: a `find` looks up no file, a walk
+ * that stats every entry looks up those not given with attributes. So: while files were looked
+ * up since the previous READDIRPLUS reply, give every entry with its attributes but the last
+ * (whose LOOKUP keeps this going); else only plus_max entries, the rest then comes plain. */
+static uint64_t plus_entries(int64_t dir, off_t off) {
+    uint64_t left = ds.count[dir] - (uint64_t)off;
+    int stat_mode = file_lookups != file_lookups_seen;
+    file_lookups_seen = file_lookups;
+    if (stat_mode || ds.plus_max == 0)
+        return left > 1 && stat_mode ? left - 1 : left;
+    return ds.plus_max < left ? ds.plus_max : left;
+}
+
+/* The dataset part of a dataset directory's listing from position `off`; 0 if not ours. */
+static int readdir_c(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, int plus) {
+    int64_t dir = dataset_dir(ino);
+    if (dir < 0 || off < 0 || (uint64_t)off >= ds.count[dir])
+        return 0; /* the written entries after the dataset's, and the end: Python */
+    uint64_t most = plus ? plus_entries(dir, off) : UINT64_MAX;
+    char *buf = malloc(size ? size : 1);
+    if (buf == NULL)
+        return 0;
+    char name[NAME_MAX_BYTES + 1];
+    size_t used = 0;
+    uint64_t n = 0;
+    for (uint64_t pos = (uint64_t)off; pos < ds.count[dir]; pos++) {
+        uint64_t j = ds.first[dir] + pos;
+        size_t len = ds.name_off[j + 1] - ds.name_off[j], k;
+        if (len > NAME_MAX_BYTES)
+            len = NAME_MAX_BYTES; /* prep refuses such names; never read past the heap */
+        memcpy(name, ds.names + ds.name_off[j], len);
+        name[len] = 0;
+        if (plus) {
+            struct fuse_entry_param e;
+            fill_entry(j, &e);
+            k = add_plus(req, buf + used, size - used, name, &e, (off_t)pos + 1);
+        } else {
+            struct stat st;
+            memset(&st, 0, sizeof(st));
+            st.st_ino = j + 1;
+            st.st_mode = ds.mode[j];
+            k = add_plain(req, buf + used, size - used, name, &st, (off_t)pos + 1);
+        }
+        if (k > size - used)
+            break;
+        used += k;
+        if (++n == most)
+            break;
+    }
+    c_listings++;
+    reply_buf(req, buf, used);
+    free(buf);
+    return 1;
+}
+
+static void readdirplus_c(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
+                          struct fuse_file_info *fi) {
+    if (!readdir_c(req, ino, size, off, 1))
+        py_readdirplus(req, ino, size, off, fi);
+}
+
+static void readdir_plain(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
+                          struct fuse_file_info *fi) {
+    struct fuse_file_info copy = *fi;
+    copy.fh |= PLAIN_FH_BIT;
+    plain_requests++;
+    if (!readdir_c(req, ino, size, off, 0))
+        py_readdirplus(req, ino, size, off, &copy);
+}
+
+void fanstore_patch_readdir(struct fuse_lowlevel_ops *ops) {
+    const char *off = getenv("FANSTORE_READDIRPLUS");
+    if (off != NULL && strcmp(off, "always") == 0)
+        return; /* every chunk READDIRPLUS, as pyfuse3 has it (for comparisons) */
+    if (ops->readdirplus == NULL || ops->readdir != NULL || ops->init == NULL)
+        return; /* not pyfuse3's table as we know it */
+    add_plain = (add_plain_t)fanstore_libfuse_symbol("fuse_add_direntry");
+    add_plus = (add_plus_t)fanstore_libfuse_symbol("fuse_add_direntry_plus");
+    reply_entry = (reply_entry_t)fanstore_libfuse_symbol("fuse_reply_entry");
+    reply_buf = (reply_buf_t)fanstore_libfuse_symbol("fuse_reply_buf");
+    if (add_plain == NULL || add_plus == NULL || reply_entry == NULL || reply_buf == NULL ||
+        ops->lookup == NULL) {
+        add_plain = NULL; /* serve_dataset refuses */
+        return;
+    }
+    py_init = ops->init;
+    py_readdirplus = ops->readdirplus;
+    py_lookup = ops->lookup;
+    ops->init = init_auto;
+    ops->readdir = readdir_plain;
+    ops->readdirplus = readdirplus_c;
+    ops->lookup = lookup_c;
+}
+
+size_t fuse_add_direntry_plus(fuse_req_t req, char *buf, size_t bufsize, const char *name,
+                              const struct fuse_entry_param *e, off_t off) {
+    if (plain_on) { /* only ever set when the table was patched: add_plain is there */
+        size_t n = add_plain(req, buf, bufsize, name, &e->attr, off);
+        if (n <= bufsize)
+            plain_entries++;
+        return n;
+    }
+    if (add_plus == NULL)
+        add_plus = (add_plus_t)fanstore_libfuse_symbol("fuse_add_direntry_plus");
+    return add_plus(req, buf, bufsize, name, e, off);
+}
+
+/* ------------------------------------------------------------ Python's side (_fastclose.py) */
+
+PyObject *fanstore_py_plain_entries(PyObject *self, PyObject *on) {
+    (void)self;
+    int v = PyObject_IsTrue(on);
+    if (v < 0)
+        return NULL;
+    plain_on = v;
+    Py_RETURN_NONE;
+}
+
+PyObject *fanstore_py_readdir_stats(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return Py_BuildValue("(iKKKK)", auto_granted, plain_requests, plain_entries, c_lookups,
+                         c_listings);
+}
+
+#define N_COLUMNS 11
+static Py_buffer held[N_COLUMNS];
+static int n_held;
+
+static void release_columns(void) {
+    ds_on = 0;
+    while (n_held > 0)
+        PyBuffer_Release(&held[--n_held]);
+}
+
+/* serve_dataset((kind, mode, uid, gid, count, mtime_ns, size, first, name_off, names), n,
+ * timeout, plus_max): every column a contiguous buffer of native integers (the manifest's
+ * memoryviews), each checked to hold n entries (name_off n + 1, names name_off[n] bytes). */
+PyObject *fanstore_py_serve_dataset(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *cols;
+    unsigned long long n;
+    double timeout;
+    unsigned int plus_max;
+    if (PyTuple_GET_SIZE(args) == 1 && PyTuple_GET_ITEM(args, 0) == Py_None) {
+        release_columns();
+        Py_RETURN_NONE;
+    }
+    if (!PyArg_ParseTuple(args, "O!KdI", &PyTuple_Type, &cols, &n, &timeout, &plus_max))
+        return NULL;
+    static const size_t item[N_COLUMNS - 1] = {1, 4, 4, 4, 4, 8, 8, 8, 8, 1};
+    if (PyTuple_GET_SIZE(cols) != N_COLUMNS - 1) {
+        PyErr_SetString(PyExc_ValueError, "serve_dataset: 10 columns expected");
+        return NULL;
+    }
+    if (add_plain == NULL || py_lookup == NULL) {
+        PyErr_SetString(PyExc_OSError, "the FUSE table of operations was not patched");
+        return NULL;
+    }
+    release_columns();
+    for (int i = 0; i < N_COLUMNS - 1; i++) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(cols, i), &held[n_held], PyBUF_SIMPLE) < 0) {
+            release_columns();
+            return NULL;
+        }
+        n_held++;
+        size_t need = i == 8 ? (n + 1) * 8 : (i == 9 ? 0 : n * item[i]);
+        if ((size_t)held[i].len < need) {
+            release_columns();
+            PyErr_Format(PyExc_ValueError, "serve_dataset: column %d too short", i);
+            return NULL;
+        }
+    }
+    const uint64_t *name_off = held[8].buf;
+    if (n == 0 || (size_t)held[9].len < name_off[n]) {
+        release_columns();
+        PyErr_SetString(PyExc_ValueError, "serve_dataset: names too short");
+        return NULL;
+    }
+    ds.n = n;
+    ds.kind = held[0].buf;
+    ds.mode = held[1].buf;
+    ds.uid = held[2].buf;
+    ds.gid = held[3].buf;
+    ds.count = held[4].buf;
+    ds.mtime_ns = held[5].buf;
+    ds.size = held[6].buf;
+    ds.first = held[7].buf;
+    ds.name_off = name_off;
+    ds.names = held[9].buf;
+    ds.timeout = timeout;
+    ds.plus_max = plus_max;
+    ds_on = 1;
+    Py_RETURN_NONE;
+}

@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -56,6 +57,7 @@ WRITE_FH = 1 << 62  # file handles at or above this are WriteStore handles
 REMOTE_FH = 1 << 61  # handles of files written on other ranks
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 LISTING_BATCH = 256
+SNAPSHOT_SECONDS = 1.0  # the written entries fetched at opendir serve that listing's end
 NAME_MAX = 255
 
 DATASET, HERE, ELSEWHERE = "dataset", "here", "elsewhere"
@@ -90,6 +92,7 @@ class MountView(ViewMeta):
         self.owner_uid = owner_uid
         self._remote_open: dict[int, OpenRemote] = {}
         self._next_remote_fh = 0
+        self._snapshots: dict[int, tuple[float, list[Record]]] = {}  # inode: (at, written)
 
     @property
     def writable(self) -> bool:
@@ -210,10 +213,17 @@ class MountView(ViewMeta):
 
     async def listing_fixed(self, inode: int) -> bool:
         """Whether the kernel may cache this directory's listing: a dataset directory holding
-        no written entry (asked of the listing's owner on a writable mount, as a listing does)."""
+        no written entry (asked of the listing's owner on a writable mount; what it answers is
+        kept for SNAPSHOT_SECONDS as the written entries at the end of this listing)."""
         if origin(inode) != DATASET:
             return False
-        return not self.writable or not await self._written_children(self.node.ns.path(inode - 1), inode)
+        if not self.writable:
+            return True
+        extra = await self._written_children(self.node.ns.path(inode - 1), inode)
+        if len(self._snapshots) > 4096:
+            self._snapshots.clear()
+        self._snapshots[inode] = (time.monotonic(), extra)  # one round trip per listing, not two
+        return not extra
 
     async def listing(self, fh: int, start: int, limit: int = LISTING_BATCH
                       ) -> tuple[list[Record], bool]:
@@ -227,7 +237,9 @@ class MountView(ViewMeta):
                 return await self.node.listdir(fh - 1, start, limit), True
         if not self.writable:
             return [], False
-        extra = await self._written_children(await self._dir_path(fh), fh)
+        at, extra = self._snapshots.pop(fh, (0.0, []))
+        if time.monotonic() - at > SNAPSHOT_SECONDS:
+            extra = await self._written_children(await self._dir_path(fh), fh)
         return extra[start - n_ds :], False
 
     async def _written_children(self, path: bytes, parent_inode: int) -> list[Record]:
