@@ -98,19 +98,29 @@ def readdir_stats() -> dict[str, int]:
     return dict(zip(keys, _shim.readdir_stats() if _shim is not None else (0,) * 5, strict=True))
 
 
-def serve_dataset(m: Manifest, timeout: float, plus_max: int) -> bool:
-    """Let the shim answer LOOKUP of dataset names and the dataset part of dataset listings
-    from the manifest's mapped columns (held until the process ends), with `timeout` as entry
-    and attribute timeout and at most `plus_max` entries (0: no limit) per READDIRPLUS reply.
-    Only once the dataset's metadata is answered locally. False without a patched session."""
-    if _shim is None:
-        return False
+def hold_dataset(m: Manifest) -> None:
+    """Hand the manifest's entry columns to the shim (`_shim_dataset.c`), which holds them for
+    every answer it gives from the dataset (`_fastopen`, `serve_dataset`) until the process
+    ends; the same columns handed over again change nothing. Raises what the shim raises
+    (ValueError, TypeError, BufferError); the shim must be loaded."""
+    assert _shim is not None
     e = m.entries
     cols = (e["kind"], e["mode"], e["uid"], e["gid"], e["count"], e["mtime_ns"], e["size"],
             e["first"], m.name_off, m.names)
+    _shim.hold_dataset(cols, m.n_entries)
+
+
+def serve_dataset(m: Manifest, timeout: float, plus_max: int) -> bool:
+    """Let the shim answer LOOKUP of dataset names and the dataset part of dataset listings
+    from the manifest's columns (`hold_dataset`), with `timeout` as entry and attribute
+    timeout and at most `plus_max` entries (0: no limit) per READDIRPLUS reply. Only once the
+    dataset's metadata is answered locally. False without a patched session."""
+    if _shim is None:
+        return False
     try:
-        _shim.serve_dataset(cols, m.n_entries, timeout, plus_max)
-    except (OSError, ValueError) as err:
+        hold_dataset(m)
+        _shim.serve_dataset(timeout, plus_max)
+    except (OSError, ValueError, TypeError, BufferError) as err:
         log.info("dataset lookups and listings stay in Python: %s", err)
         return False
     log.info("dataset lookups and listings answered by the C shim")

@@ -6,8 +6,9 @@ The dataset (inodes ``1..n``) is immutable and the kernel checks permissions
 intent the same answer (the inode as handle, keep_cache), `MountView.release` does nothing for
 it, and a dataset file's attributes are the manifest's (the same on every rank). `enable(ns,
 timeout)` (before the session starts) lets the shim give those answers itself from the
-manifest's columns: a warm read of a small file then runs no Python handler at all (on a
-writable mount the kernel asks GETATTR again after each READ it sent: atime). With `linger_us`,
+manifest's columns (`_fastclose.hold_dataset`; `_shim_dataset.c` holds them once for every C
+answer): a warm read of a small file then runs no Python handler at all (on a writable mount
+the kernel asks GETATTR again after each READ it sent: atime). With `linger_us`,
 the shim's request loop answers such requests one after the other without going back to trio
 between them (see `_shim_open.c`); `c_lingered` counts them. Opens with write
 intent, directories, symlinks and every inode outside ``1..n`` still reach `Operations`. Without
@@ -19,7 +20,6 @@ from __future__ import annotations
 import logging
 
 from . import _fastclose
-from ._format import KIND_FILE
 from ._namespace import Namespace
 
 log = logging.getLogger("fanstore_fuse.fastopen")
@@ -33,11 +33,9 @@ def enable(ns: Namespace, timeout: float, linger_us: int = 0) -> bool:
     if shim is None:
         log.info("dataset opens go through Python (%s)", _fastclose._why)
         return False
-    e = ns.m.entries
     try:
-        shim.fast_attrs(e["kind"], e["mode"], e["uid"], e["gid"], e["mtime_ns"], e["size"],
-                        KIND_FILE, timeout)
-        shim.fast_open(len(ns), linger_us)
+        _fastclose.hold_dataset(ns.m)
+        shim.fast_open(linger_us, timeout)
     except (ValueError, TypeError, BufferError, AttributeError) as err:
         log.warning("dataset opens go through Python: %s", err)
         return False

@@ -26,6 +26,7 @@
 #include <fuse_lowlevel.h>
 #include <string.h>
 
+#include "_shim_dataset.h"
 #include "_shim_ops.h"
 #include "_shim_readdir.h"
 
@@ -150,13 +151,14 @@ static PyMethodDef methods[] = {
     {"count", count, METH_NOARGS, "count(): opens answered with noflush so far"},
     {"mark_dir", mark_dir, METH_O, "mark_dir(fh): cache the listing of the next opendir reply"},
     {"dirs", dirs, METH_NOARGS, "dirs(): opendir replies sent with cache_readdir so far"},
-    {"fast_open", fanstore_fast_open, METH_VARARGS, "fast_open(n, linger_us): OPEN/RELEASE of 1..n in C"},
-    {"fast_attrs", fanstore_fast_attrs, METH_VARARGS, "fast_attrs(kind, mode, uid, gid, mtime_ns, size, KIND_FILE, timeout)"},
+    {"fast_open", fanstore_fast_open, METH_VARARGS, "fast_open(linger_us, timeout): OPEN/RELEASE/GETATTR of the held dataset's files in C"},
     {"fast_counts", fanstore_fast_counts, METH_NOARGS, "fast_counts(): (opens, releases, getattrs, lingered) in C"},
     FANSTORE_READDIR_METHODS
+    FANSTORE_DATASET_METHODS
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_noflush", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_noflush", NULL, -1, methods,
+                                     NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__noflush(void) { return PyModule_Create(&module); }

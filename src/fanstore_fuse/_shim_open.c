@@ -7,7 +7,8 @@
  * name the dataset has), the kernel checks permissions itself (default_permissions), and
  * MountView.open answers an open without write intent with the inode as file handle and
  * keep_cache, while MountView.release does nothing for such a handle. So once Python has said
- * how many entries the dataset has (`fast_open(n)`: inodes 1..n), an OPEN of such an inode
+ * handed over the manifest's columns (_shim_dataset.c: inodes 1..n) and switched this on
+ * (`fast_open`), an OPEN of such an inode
  * without write intent is answered here with the same handle (through the shim's
  * fuse_reply_open, which adds noflush where enabled), and a RELEASE of a dataset handle
  * (1..n, whoever opened it) with success. Everything else goes to pyfuse3's handlers. READ
@@ -16,8 +17,9 @@
  * GETATTR: on a writable mount the kernel marks a file's atime stale after every READ it sent,
  * so the next stat(2) (every open() in Python, cat, ...) asks the daemon again. A dataset
  * file's attributes come from the manifest, identical on every rank and never changed: with the
- * manifest's columns (`fast_attrs`), a GETATTR of a dataset regular file is answered here with
- * what Operations._attr gives for it (nlink 1, rdev 0, blksize 128 KiB, all times the mtime).
+ * manifest's columns, a GETATTR of a dataset regular file is answered here with what
+ * Operations._attr gives for it (fanstore_dataset_stat: nlink 1, rdev 0, blksize 128 KiB, all
+ * times the mtime).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -29,6 +31,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "_shim_dataset.h"
 #include "_shim_ops.h"
 
 /* MountView.WRITE_FLAGS: an open with any of these goes to Python (EROFS there) */
@@ -42,24 +45,18 @@ typedef int (*reply_attr_t)(fuse_req_t, const struct stat *, double);
 static file_op_t py_open, py_release, py_getattr;
 static reply_attr_t reply_attr;
 static reply_err_t reply_err; /* libfuse's fuse_reply_err (the shim does not link libfuse) */
-static uint64_t dataset_entries; /* inodes 1..n are the dataset's; 0: every request to Python */
+static double attr_timeout;
 static unsigned long long c_opens, c_releases, c_getattrs;
 
-enum { KIND, MODE, UID, GID, MTIME, SIZE, NCOLS };
-static const int col_itemsize[NCOLS] = {1, 4, 4, 4, 8, 8};
-static Py_buffer cols[NCOLS]; /* the manifest's entry columns, held while in use */
-static uint64_t attr_entries;  /* entries in cols; 0: GETATTR goes to Python */
-static double attr_timeout;
-static unsigned char kind_file; /* _format.KIND_FILE */
-
 static int open_here(uint64_t ino, uint32_t flags) {
-    return ino >= 1 && ino <= dataset_entries && !(flags & WRITE_FLAGS);
+    return fanstore_dataset_serves(FANSTORE_SERVE_FILES, ino) && !(flags & WRITE_FLAGS);
 }
 
-static int release_here(uint64_t fh) { return fh >= 1 && fh <= dataset_entries; }
+static int release_here(uint64_t fh) { return fanstore_dataset_serves(FANSTORE_SERVE_FILES, fh); }
 
 static int getattr_here(uint64_t ino) {
-    return ino >= 1 && ino - 1 < attr_entries && ((uint8_t *)cols[KIND].buf)[ino - 1] == kind_file;
+    return fanstore_dataset_serves(FANSTORE_SERVE_FILES, ino) &&
+           fanstore_ds.kind[ino - 1] == FANSTORE_KIND_FILE;
 }
 
 static void open_in_c(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
@@ -85,26 +82,9 @@ static void release_in_c(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *
 }
 
 static void getattr_in_c(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
-    uint64_t i = ino - 1;
     if (getattr_here(ino)) {
         struct stat st;
-        memset(&st, 0, sizeof(st));
-        int64_t t = ((int64_t *)cols[MTIME].buf)[i];
-        int64_t sec = t / 1000000000, nsec = t % 1000000000;
-        if (nsec < 0) { /* floor division, as pyfuse3 does in Python */
-            sec -= 1;
-            nsec += 1000000000;
-        }
-        st.st_ino = ino;
-        st.st_mode = ((uint32_t *)cols[MODE].buf)[i];
-        st.st_nlink = 1;
-        st.st_uid = ((uint32_t *)cols[UID].buf)[i];
-        st.st_gid = ((uint32_t *)cols[GID].buf)[i];
-        st.st_size = (off_t)((uint64_t *)cols[SIZE].buf)[i];
-        st.st_blksize = 1 << 17;
-        st.st_blocks = (st.st_size + 511) / 512;
-        st.st_atim.tv_sec = st.st_mtim.tv_sec = st.st_ctim.tv_sec = sec;
-        st.st_atim.tv_nsec = st.st_mtim.tv_nsec = st.st_ctim.tv_nsec = nsec;
+        fanstore_dataset_stat(ino - 1, &st);
         c_getattrs++;
         reply_attr(req, &st, attr_timeout);
         return;
@@ -222,57 +202,21 @@ void fanstore_patch_open(struct fuse_lowlevel_ops *ops) {
     }
 }
 
-PyObject *fanstore_fast_open(PyObject *self, PyObject *arg) {
+/* fast_open(linger_us, timeout): answer OPEN, RELEASE and GETATTR of the held dataset's files
+ * (attribute timeout `timeout`), lingering `linger_us` after each (0: no linger). */
+PyObject *fanstore_fast_open(PyObject *self, PyObject *args) {
     (void)self;
-    unsigned long long n;
     long linger;
-    if (!PyArg_ParseTuple(arg, "Kl", &n, &linger))
-        return NULL;
-    if (n >= (1ULL << 40)) { /* written files' inodes start there (WRITE_INODE_BASE) */
-        PyErr_SetString(PyExc_ValueError, "dataset too large for the fast open path");
-        return NULL;
-    }
-    dataset_entries = n;
-    linger_us = linger;
-    Py_RETURN_NONE;
-}
-
-PyObject *fanstore_fast_attrs(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *obj[NCOLS];
-    Py_buffer got[NCOLS];
     double timeout;
-    unsigned char kind;
-    if (!PyArg_ParseTuple(args, "OOOOOObd", &obj[KIND], &obj[MODE], &obj[UID], &obj[GID],
-                          &obj[MTIME], &obj[SIZE], &kind, &timeout))
+    if (!PyArg_ParseTuple(args, "ld", &linger, &timeout))
         return NULL;
-    Py_ssize_t n = -1;
-    int k;
-    for (k = 0; k < NCOLS; k++) {
-        if (PyObject_GetBuffer(obj[k], &got[k], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-            break;
-        Py_ssize_t len = got[k].itemsize ? got[k].len / got[k].itemsize : -1;
-        if (got[k].itemsize != col_itemsize[k] || (n >= 0 && len != n)) {
-            PyBuffer_Release(&got[k]);
-            PyErr_SetString(PyExc_ValueError, "manifest columns of unexpected shape");
-            break;
-        }
-        n = len;
-    }
-    if (k < NCOLS) {
-        while (k-- > 0)
-            PyBuffer_Release(&got[k]);
+    if (fanstore_ds.n == 0) {
+        PyErr_SetString(PyExc_ValueError, "fast_open: no dataset held (hold_dataset first)");
         return NULL;
     }
-    attr_entries = 0;
-    for (k = 0; k < NCOLS; k++) {
-        if (cols[k].obj != NULL) /* called before (an earlier session in this process) */
-            PyBuffer_Release(&cols[k]);
-        cols[k] = got[k];
-    }
-    kind_file = kind;
     attr_timeout = timeout;
-    attr_entries = (uint64_t)n;
+    linger_us = linger;
+    fanstore_ds.serving |= FANSTORE_SERVE_FILES;
     Py_RETURN_NONE;
 }
 

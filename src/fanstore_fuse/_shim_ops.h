@@ -12,8 +12,7 @@ void fanstore_patch_readdir(struct fuse_lowlevel_ops *ops); /* _shim_readdir.c *
 void fanstore_patch_open(struct fuse_lowlevel_ops *ops);    /* _shim_open.c */
 
 #ifdef Py_PYTHON_H /* the module's functions defined next to their patch */
-PyObject *fanstore_fast_open(PyObject *self, PyObject *arg);      /* _shim_open.c */
-PyObject *fanstore_fast_attrs(PyObject *self, PyObject *args);   /* _shim_open.c */
+PyObject *fanstore_fast_open(PyObject *self, PyObject *args);     /* _shim_open.c */
 PyObject *fanstore_fast_counts(PyObject *self, PyObject *unused); /* _shim_open.c */
 #endif
 

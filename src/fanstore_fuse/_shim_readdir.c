@@ -16,10 +16,10 @@
  *   it writes a plain record (inode and type from the attributes) with fuse_add_direntry, so
  *   sizes and offsets stay what the kernel expects of a READDIR reply.
  *
- * Once Python hands over the manifest's columns (serve_dataset: the dataset's metadata is
- * answered locally and never changes), LOOKUP of a dataset name and READDIR/READDIRPLUS of the
- * dataset part of a dataset directory are answered here, from the mapped columns, without
- * Python: the same attributes Operations._attr gives. Anything else (".", "..", a name the
+ * Once Python says the dataset's metadata is answered locally (serve_dataset; it never
+ * changes), LOOKUP of a dataset name and READDIR/READDIRPLUS of the dataset part of a dataset
+ * directory are answered here, from the manifest's columns _shim_dataset.c holds, without
+ * Python: the same attributes Operations._attr gives (fanstore_dataset_stat). Anything else (".", "..", a name the
  * dataset lacks, which may be a written one, the written entries after a listing's dataset
  * part, directories written on this or another rank) goes to pyfuse3's handlers as before.
  *
@@ -34,6 +34,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "_shim_dataset.h"
 #include "_shim_ops.h"
 #include "_shim_readdir.h"
 
@@ -69,40 +70,28 @@ static void init_auto(void *userdata, struct fuse_conn_info *conn) {
     }
 }
 
-/* ------------------------------------------------------------ the dataset's columns */
+/* ------------------------------------------------------------ the dataset's names */
 
-#define KIND_DIR 1
-#define DIR_BLKSIZE (1 << 20) /* as Operations._attr */
-#define FILE_BLKSIZE (1 << 17)
 #define NAME_MAX_BYTES 255
 
-struct columns {
-    uint64_t n; /* entries; entry i is inode i + 1 (Python's serve_dataset fills this) */
-    const uint8_t *kind;
-    const uint32_t *mode, *uid, *gid, *count;
-    const int64_t *mtime_ns;
-    const uint64_t *size, *first, *name_off;
-    const char *names;
-    double timeout;
-    uint32_t plus_max; /* entries in a READDIRPLUS reply while nothing is stat'ed (0: all) */
-};
-
-static struct columns ds;
-static int ds_on;
+static const struct fanstore_dataset *const ds = &fanstore_ds;
+static double entry_timeout;
+static uint32_t plus_max; /* entries in a READDIRPLUS reply while nothing is stat'ed (0: all) */
 static int plain_on;
 static unsigned long long c_lookups, c_listings;
 static unsigned long long file_lookups, file_lookups_seen; /* non-directories looked up */
 
 /* Index of the dataset directory behind `ino`, or -1. */
 static int64_t dataset_dir(fuse_ino_t ino) {
-    if (!ds_on || ino < 1 || ino > ds.n || ds.kind[ino - 1] != KIND_DIR)
+    if (!fanstore_dataset_serves(FANSTORE_SERVE_NAMES, ino) ||
+        ds->kind[ino - 1] != FANSTORE_KIND_DIR)
         return -1;
     return (int64_t)(ino - 1);
 }
 
 static int name_cmp(uint64_t j, const char *name, size_t len) {
-    const char *c = ds.names + ds.name_off[j];
-    size_t clen = ds.name_off[j + 1] - ds.name_off[j];
+    const char *c = ds->names + ds->name_off[j];
+    size_t clen = ds->name_off[j + 1] - ds->name_off[j];
     int r = memcmp(c, name, clen < len ? clen : len);
     if (r != 0)
         return r;
@@ -110,7 +99,7 @@ static int name_cmp(uint64_t j, const char *name, size_t len) {
 }
 
 static int64_t find_child(uint64_t dir, const char *name, size_t len) {
-    uint64_t lo = ds.first[dir], hi = lo + ds.count[dir];
+    uint64_t lo = ds->first[dir], hi = lo + ds->count[dir];
     while (lo < hi) {
         uint64_t mid = lo + (hi - lo) / 2;
         int r = name_cmp(mid, name, len);
@@ -126,34 +115,9 @@ static int64_t find_child(uint64_t dir, const char *name, size_t len) {
 
 static void fill_entry(uint64_t j, struct fuse_entry_param *e) {
     memset(e, 0, sizeof(*e));
-    struct stat *st = &e->attr;
-    uint32_t mode = ds.mode[j];
     e->ino = j + 1;
-    e->attr_timeout = e->entry_timeout = ds.timeout;
-    st->st_ino = j + 1;
-    st->st_mode = mode;
-    st->st_nlink = 1;
-    if (ds.kind[j] == KIND_DIR) { /* 2 + subdirectories, as Namespace._nlink */
-        uint64_t c0 = ds.first[j];
-        st->st_nlink = 2;
-        for (uint64_t k = c0; k < c0 + ds.count[j]; k++)
-            st->st_nlink += ds.kind[k] == KIND_DIR;
-    }
-    st->st_uid = ds.uid[j];
-    st->st_gid = ds.gid[j];
-    st->st_rdev = (S_ISCHR(mode) || S_ISBLK(mode)) ? (dev_t)ds.first[j] : 0;
-    st->st_size = (off_t)ds.size[j];
-    /* glibc's readdir reads a directory in st_blksize chunks (up to 1 MiB), and the kernel
-     * asks for as much: one READDIRPLUS chunk then holds a 1,300-entry directory. */
-    st->st_blksize = ds.kind[j] == KIND_DIR ? DIR_BLKSIZE : FILE_BLKSIZE;
-    st->st_blocks = (blkcnt_t)((ds.size[j] + 511) / 512);
-    int64_t t = ds.mtime_ns[j], sec = t / 1000000000, ns = t % 1000000000;
-    if (ns < 0) { /* floor, as pyfuse3's setters */
-        ns += 1000000000;
-        sec -= 1;
-    }
-    st->st_atim.tv_sec = st->st_mtim.tv_sec = st->st_ctim.tv_sec = sec;
-    st->st_atim.tv_nsec = st->st_mtim.tv_nsec = st->st_ctim.tv_nsec = ns;
+    e->attr_timeout = e->entry_timeout = entry_timeout;
+    fanstore_dataset_stat(j, &e->attr);
 }
 
 static void lookup_c(fuse_req_t req, fuse_ino_t parent, const char *name) {
@@ -166,7 +130,7 @@ static void lookup_c(fuse_req_t req, fuse_ino_t parent, const char *name) {
             struct fuse_entry_param e;
             fill_entry((uint64_t)j, &e);
             c_lookups++;
-            file_lookups += ds.kind[j] != KIND_DIR;
+            file_lookups += ds->kind[j] != FANSTORE_KIND_DIR;
             reply_entry(req, &e);
             return;
         }
@@ -181,18 +145,18 @@ static void lookup_c(fuse_req_t req, fuse_ino_t parent, const char *name) {
  * up since the previous READDIRPLUS reply, give every entry with its attributes but the last
  * (whose LOOKUP keeps this going); else only plus_max entries, the rest then comes plain. */
 static uint64_t plus_entries(int64_t dir, off_t off) {
-    uint64_t left = ds.count[dir] - (uint64_t)off;
+    uint64_t left = ds->count[dir] - (uint64_t)off;
     int stat_mode = file_lookups != file_lookups_seen;
     file_lookups_seen = file_lookups;
-    if (stat_mode || ds.plus_max == 0)
+    if (stat_mode || plus_max == 0)
         return left > 1 && stat_mode ? left - 1 : left;
-    return ds.plus_max < left ? ds.plus_max : left;
+    return plus_max < left ? plus_max : left;
 }
 
 /* The dataset part of a dataset directory's listing from position `off`; 0 if not ours. */
 static int readdir_c(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, int plus) {
     int64_t dir = dataset_dir(ino);
-    if (dir < 0 || off < 0 || (uint64_t)off >= ds.count[dir])
+    if (dir < 0 || off < 0 || (uint64_t)off >= ds->count[dir])
         return 0; /* the written entries after the dataset's, and the end: Python */
     uint64_t most = plus ? plus_entries(dir, off) : UINT64_MAX;
     char *buf = malloc(size ? size : 1);
@@ -201,12 +165,12 @@ static int readdir_c(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, int
     char name[NAME_MAX_BYTES + 1];
     size_t used = 0;
     uint64_t n = 0;
-    for (uint64_t pos = (uint64_t)off; pos < ds.count[dir]; pos++) {
-        uint64_t j = ds.first[dir] + pos;
-        size_t len = ds.name_off[j + 1] - ds.name_off[j], k;
+    for (uint64_t pos = (uint64_t)off; pos < ds->count[dir]; pos++) {
+        uint64_t j = ds->first[dir] + pos;
+        size_t len = ds->name_off[j + 1] - ds->name_off[j], k;
         if (len > NAME_MAX_BYTES)
             len = NAME_MAX_BYTES; /* prep refuses such names; never read past the heap */
-        memcpy(name, ds.names + ds.name_off[j], len);
+        memcpy(name, ds->names + ds->name_off[j], len);
         name[len] = 0;
         if (plus) {
             struct fuse_entry_param e;
@@ -216,7 +180,7 @@ static int readdir_c(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, int
             struct stat st;
             memset(&st, 0, sizeof(st));
             st.st_ino = j + 1;
-            st.st_mode = ds.mode[j];
+            st.st_mode = ds->mode[j];
             k = add_plain(req, buf + used, size - used, name, &st, (off_t)pos + 1);
         }
         if (k > size - used)
@@ -301,73 +265,25 @@ PyObject *fanstore_py_readdir_stats(PyObject *self, PyObject *unused) {
                          c_listings);
 }
 
-#define N_COLUMNS 11
-static Py_buffer held[N_COLUMNS];
-static int n_held;
-
-static void release_columns(void) {
-    ds_on = 0;
-    while (n_held > 0)
-        PyBuffer_Release(&held[--n_held]);
-}
-
-/* serve_dataset((kind, mode, uid, gid, count, mtime_ns, size, first, name_off, names), n,
- * timeout, plus_max): every column a contiguous buffer of native integers (the manifest's
- * memoryviews), each checked to hold n entries (name_off n + 1, names name_off[n] bytes). */
+/* serve_dataset(timeout, plus_max): answer dataset lookups and listings from the held columns
+ * (hold_dataset first), with `timeout` as entry and attribute timeout and at most `plus_max`
+ * entries (0: no limit) per READDIRPLUS reply while nothing is stat'ed. */
 PyObject *fanstore_py_serve_dataset(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *cols;
-    unsigned long long n;
     double timeout;
-    unsigned int plus_max;
-    if (PyTuple_GET_SIZE(args) == 1 && PyTuple_GET_ITEM(args, 0) == Py_None) {
-        release_columns();
-        Py_RETURN_NONE;
-    }
-    if (!PyArg_ParseTuple(args, "O!KdI", &PyTuple_Type, &cols, &n, &timeout, &plus_max))
+    unsigned int most;
+    if (!PyArg_ParseTuple(args, "dI", &timeout, &most))
         return NULL;
-    static const size_t item[N_COLUMNS - 1] = {1, 4, 4, 4, 4, 8, 8, 8, 8, 1};
-    if (PyTuple_GET_SIZE(cols) != N_COLUMNS - 1) {
-        PyErr_SetString(PyExc_ValueError, "serve_dataset: 10 columns expected");
-        return NULL;
-    }
     if (add_plain == NULL || py_lookup == NULL) {
         PyErr_SetString(PyExc_OSError, "the FUSE table of operations was not patched");
         return NULL;
     }
-    release_columns();
-    for (int i = 0; i < N_COLUMNS - 1; i++) {
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(cols, i), &held[n_held], PyBUF_SIMPLE) < 0) {
-            release_columns();
-            return NULL;
-        }
-        n_held++;
-        size_t need = i == 8 ? (n + 1) * 8 : (i == 9 ? 0 : n * item[i]);
-        if ((size_t)held[i].len < need) {
-            release_columns();
-            PyErr_Format(PyExc_ValueError, "serve_dataset: column %d too short", i);
-            return NULL;
-        }
-    }
-    const uint64_t *name_off = held[8].buf;
-    if (n == 0 || (size_t)held[9].len < name_off[n]) {
-        release_columns();
-        PyErr_SetString(PyExc_ValueError, "serve_dataset: names too short");
+    if (fanstore_ds.n == 0) {
+        PyErr_SetString(PyExc_ValueError, "serve_dataset: no dataset held (hold_dataset first)");
         return NULL;
     }
-    ds.n = n;
-    ds.kind = held[0].buf;
-    ds.mode = held[1].buf;
-    ds.uid = held[2].buf;
-    ds.gid = held[3].buf;
-    ds.count = held[4].buf;
-    ds.mtime_ns = held[5].buf;
-    ds.size = held[6].buf;
-    ds.first = held[7].buf;
-    ds.name_off = name_off;
-    ds.names = held[9].buf;
-    ds.timeout = timeout;
-    ds.plus_max = plus_max;
-    ds_on = 1;
+    entry_timeout = timeout;
+    plus_max = most;
+    fanstore_ds.serving |= FANSTORE_SERVE_NAMES;
     Py_RETURN_NONE;
 }

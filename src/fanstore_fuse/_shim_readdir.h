@@ -13,7 +13,6 @@ PyObject *fanstore_py_serve_dataset(PyObject *self, PyObject *args);
      "readdir_stats(): (READDIRPLUS_AUTO granted, READDIRs, plain entries from Python, "          \
      "lookups and listings answered in C)"},                                                      \
     {"serve_dataset", fanstore_py_serve_dataset, METH_VARARGS,                                    \
-     "serve_dataset(columns, n, timeout, plus_max) or serve_dataset(None): answer dataset "       \
-     "lookups and listings in C"},
+     "serve_dataset(timeout, plus_max): answer lookups and listings of the held dataset in C"},
 
 #endif
