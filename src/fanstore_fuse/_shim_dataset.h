@@ -33,16 +33,9 @@ static inline int fanstore_dataset_serves(unsigned feature, uint64_t ino) {
 /* Entry j's attributes, as Operations._attr gives them (every other field 0). */
 void fanstore_dataset_stat(uint64_t j, struct stat *st);
 
-#ifdef Py_PYTHON_H
+#ifdef Py_PYTHON_H /* the module's functions, for _noflush.c's method table */
 PyObject *fanstore_py_hold_dataset(PyObject *self, PyObject *args);
 PyObject *fanstore_py_drop_dataset(PyObject *self, PyObject *unused);
-
-#define FANSTORE_DATASET_METHODS                                                                  \
-    {"hold_dataset", fanstore_py_hold_dataset, METH_VARARGS,                                      \
-     "hold_dataset((kind, mode, uid, gid, count, mtime_ns, size, first, name_off, names), n): "   \
-     "hold the manifest's columns for the C answers"},                                            \
-    {"drop_dataset", fanstore_py_drop_dataset, METH_NOARGS,                                       \
-     "drop_dataset(): every C answer from the dataset off, the columns released"},
 #endif
 
 #endif

@@ -6,13 +6,12 @@
  * the dataset is immutable (every mutating call on it fails with EROFS, and no rank can create a
  * name the dataset has), the kernel checks permissions itself (default_permissions), and
  * MountView.open answers an open without write intent with the inode as file handle and
- * keep_cache, while MountView.release does nothing for such a handle. So once Python has said
+ * keep_cache, while MountView.release does nothing for such a handle. So once Python has
  * handed over the manifest's columns (_shim_dataset.c: inodes 1..n) and switched this on
- * (`fast_open`), an OPEN of such an inode
- * without write intent is answered here with the same handle (through the shim's
- * fuse_reply_open, which adds noflush where enabled), and a RELEASE of a dataset handle
- * (1..n, whoever opened it) with success. Everything else goes to pyfuse3's handlers. READ
- * gets the same handle either way, so Python's read path is unchanged.
+ * (`fast_open`), an OPEN of such an inode without write intent is answered here with the same
+ * handle (through the shim's fuse_reply_open, which adds noflush where enabled), and a RELEASE
+ * of a dataset handle (1..n, whoever opened it) with success. Everything else goes to
+ * pyfuse3's handlers. READ gets the same handle either way, so Python's read path is unchanged.
  *
  * GETATTR: on a writable mount the kernel marks a file's atime stale after every READ it sent,
  * so the next stat(2) (every open() in Python, cat, ...) asks the daemon again. A dataset
