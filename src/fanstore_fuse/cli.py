@@ -6,22 +6,33 @@ import json
 import os
 import sys
 import time
+from typing import TYPE_CHECKING, Any
 
 import typer
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 
 from ._errors import FanstoreError
 
+if TYPE_CHECKING:
+    from rich.progress import Progress
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
-err = Console(stderr=True, soft_wrap=True)
+
+
+class _Stderr:
+    """rich's Console on stderr, imported on first use (a daemon never prints: rich stays out
+    of its start-up)."""
+
+    _console: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        if _Stderr._console is None:
+            from rich.console import Console
+
+            _Stderr._console = Console(stderr=True, soft_wrap=True)
+        return getattr(_Stderr._console, name)
+
+
+err = _Stderr()
 
 
 @app.callback()
@@ -42,6 +53,15 @@ def _fail(msg: str, code: int = 1) -> None:
 
 
 def _progress(quiet: bool) -> Progress:
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -374,6 +394,7 @@ def status(
     if json_out:
         print(json.dumps(data, indent=2))
         return
+    from rich.console import Console
     from rich.table import Table
 
     cols = [("rank", "rank"), ("host", "host"), ("blobs held", "blobs_held"), ("bytes held", "bytes_held"),
