@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import typer
@@ -13,6 +14,7 @@ import typer
 from ._errors import FanstoreError
 
 if TYPE_CHECKING:
+    from rich.console import Console
     from rich.progress import Progress
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
@@ -24,12 +26,15 @@ class _Stderr:
 
     _console: Any = None
 
-    def __getattr__(self, name: str) -> Any:
+    def console(self) -> Console:
         if _Stderr._console is None:
             from rich.console import Console
 
             _Stderr._console = Console(stderr=True, soft_wrap=True)
-        return getattr(_Stderr._console, name)
+        return _Stderr._console
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.console(), name)
 
 
 err = _Stderr()
@@ -68,7 +73,7 @@ def _progress(quiet: bool) -> Progress:
         DownloadColumn(),
         TransferSpeedColumn(),
         TimeRemainingColumn(),
-        console=err,
+        console=err.console(),
         disable=quiet or not err.is_terminal,
         transient=True,
     )
@@ -157,6 +162,7 @@ def verify(
 
 @app.command()
 def mount(
+    ctx: typer.Context,
     dest: str = typer.Argument(..., help="a prepped directory"),
     mountpoint: str = typer.Argument(..., help="where to mount; may contain {rank}"),
     local: str | None = typer.Option(None, "--local", help="node-local dir; may contain {rank}"),
@@ -199,8 +205,6 @@ def mount(
     With --ranks N (or inside a SLURM job) one daemon per rank is started with mpiexec (srun);
     MOUNTPOINT and --local may then contain {rank}.
     """
-    if not mpi and ready_fd is None:  # once, by the command the user ran
-        _warn_widened(dest)
     if cache_size is not None:
         from ._settings import parse_cache_size
 
@@ -209,6 +213,11 @@ def mount(
         except FanstoreError as e:
             _fail(str(e))
     multi = not mpi and (ranks is not None or bool(join) or bool(os.environ.get("SLURM_JOB_ID")))
+    if not mpi and ready_fd is None:  # once, by the command the user ran
+        if multi or not foreground:  # while the daemons start (it reads 3 manifest columns)
+            ctx.call_on_close(_warn_widened_meanwhile(dest))
+        else:
+            _warn_widened(dest)
     if multi or not foreground:
         # The daemon(s) run this same command in the foreground, with the same options.
         argv = ["mount", dest, mountpoint, "--foreground", *_write_args(write_quota, read_only)]
@@ -271,6 +280,15 @@ def _warn_widened(dest: str) -> None:
     msg = dest_warning(dest)
     if msg:
         err.print(f"[yellow]fanstore-fuse: warning:[/] {msg}", highlight=False)
+
+
+def _warn_widened_meanwhile(dest: str) -> Callable[[], None]:
+    """`_warn_widened` in a thread from now on; the call returned waits for it and prints."""
+    import threading
+
+    thread = threading.Thread(target=_warn_widened, args=(dest,), daemon=True)
+    thread.start()
+    return thread.join
 
 
 def _parse_size(text: str | None) -> int | None:
