@@ -10,6 +10,7 @@ import mmap
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,11 +18,18 @@ import numpy as np
 import trio
 
 from ._blobstore import BlobStore, DenseMap
-from ._format import Manifest, read_manifest, trim_heap
+from ._format import Manifest, finish_manifest, read_manifest, trim_heap
 from ._fsio import atomic_write
 from ._ring import LocalOnlyPlacement, Locator, Placement
 from ._ring_np import blobs_by_rank
-from ._stage import Ranges, broadcast_mask, plan_dense, stage_in, stage_manifest
+from ._stage import (
+    Ranges,
+    StageResult,
+    broadcast_mask,
+    plan_dense,
+    stage_in,
+    stage_manifest,
+)
 
 log = logging.getLogger("fanstore_fuse.daemon")
 
@@ -116,19 +124,18 @@ class Staged:
 
 def stage(dest: str, local: str, rank: int, nranks: int, replicas: int, exchange: Exchange,
           clock: Phases, progress_file: str | None) -> Staged:
-    """Copy and check the manifest, place the blobs (ranks > 1), stage in this rank's share."""
+    """Copy and check the manifest, place the blobs (ranks > 1), stage in this rank's share.
+    One rank copies every partition whole while the manifest is validated (the copy needs only
+    the partition table, checked first); nothing is served before both finished."""
     copy = stage_manifest(dest, local)
     clock("manifest copy")
-    manifest = read_manifest(copy)
-    clock("manifest check")
+    manifest = read_manifest(copy, validate=nranks > 1)
+    clock("manifest check" if nranks > 1 else "manifest checksums")
     parts = manifest.partitions
-    bpart = manifest.blobs["part"]
-    placement = Placement(nranks, replicas, is_broadcast=lambda b: parts[bpart[b]].broadcast)
+    placement = Placement(nranks, replicas, is_broadcast=_broadcast(manifest))
     shares: dict[int, Ranges | None] | None = None
     dense: DenseMap | None = None
-    if nranks == 1:
-        held = np.arange(manifest.n_blobs)
-    else:
+    if nranks > 1:
         held = exchange.blobs(manifest, placement, rank)
         clock("placement")
         shares, dense = plan_dense(manifest, held)
@@ -137,7 +144,11 @@ def stage(dest: str, local: str, rank: int, nranks: int, replicas: int, exchange
                 for p, r in (shares or {p: None for p in range(len(parts))}).items())
     progress = progress_writer(progress_file, total) if rank == 0 else None
     t0 = time.perf_counter()
-    res = stage_in(dest, local, manifest, shares, progress=progress)
+    if nranks > 1:
+        res = stage_in(dest, local, manifest, shares, progress=progress)
+    else:
+        res = _stage_validating(dest, local, manifest, progress)
+        held = np.arange(manifest.n_blobs)
     dt = time.perf_counter() - t0
     counts = {
         "blobs_held": len(held),
@@ -146,12 +157,32 @@ def stage(dest: str, local: str, rank: int, nranks: int, replicas: int, exchange
         "stage_in_us": int(dt * 1e6),
     }
     del held
-    trim_heap()  # the copy threads' arenas (8 MiB windows each) and the placement lists
+    trim_heap()  # the placement lists and what the copy threads left
     log.info("rank %d staged %d partitions, %d bytes into %s in %.3f s (%.0f MB/s)", rank,
              res.partitions, res.bytes, local, dt, res.bytes / max(dt, 1e-9) / 1e6)
-    clock("stage-in")
+    clock("stage-in" if nranks > 1 else "manifest check + stage-in (overlapped)")
     return Staged(manifest, placement if nranks > 1 else LocalOnlyPlacement(),
                   BlobStore(manifest, local, dense), counts)
+
+
+def _broadcast(manifest: Manifest) -> Callable[[int], bool]:
+    parts, bpart = manifest.partitions, manifest.blobs["part"]
+    return lambda b: parts[bpart[b]].broadcast
+
+
+def _stage_validating(dest: str, local: str, manifest: Manifest,
+                      progress: Callable[[int], None] | None) -> StageResult:
+    """Every partition whole, copied in a thread (copy_file_range: the GIL is free) while this
+    thread validates the manifest; a validation error wins over a copy error."""
+    with ThreadPoolExecutor(1, thread_name_prefix="stage-all") as pool:
+        copying = pool.submit(stage_in, dest, local, manifest, None, progress=progress)
+        try:
+            finish_manifest(manifest)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                copying.result()
+            raise
+        return copying.result()
 
 
 def _rss_file() -> int:

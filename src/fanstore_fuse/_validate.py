@@ -68,7 +68,7 @@ def validate(m: Manifest) -> None:
     names = np.frombuffer(memoryview(m.names).cast("B"), dtype=np.uint8)
     links = np.frombuffer(memoryview(m.links).cast("B"), dtype=np.uint8)
     _name_table(off, len(names), n)
-    chunk = _partitions_and_options(m)
+    chunk = check_partitions(m)
     _root_and_kinds(e, n)
     _tree(e, n)
     _names(off, names, n)
@@ -88,7 +88,8 @@ def _name_table(off: np.ndarray, heap: int, n: int) -> None:
                  "manifest name table is inconsistent (offsets decrease at entry {i})")
 
 
-def _partitions_and_options(m: Manifest) -> int:
+def check_partitions(m: Manifest) -> int:
+    """The partition table (safe file names, sizes) and the chunk size: all stage-in needs."""
     for i, p in enumerate(m.partitions):
         if not PARTITION_NAME_RE.fullmatch(p.name):
             raise FormatError(f"partition {i} has an unsafe file name {p.name!r}")
