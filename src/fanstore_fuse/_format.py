@@ -286,10 +286,22 @@ def read_manifest(path: str | os.PathLike[str], writable: bool = False,
     return m
 
 
-def finish_manifest(m: Manifest) -> None:
-    """The validation `read_manifest(..., validate=False)` left out."""
-    validate_manifest(m)
+def finish_manifest(m: Manifest, part: int = 0, parts: int = 1) -> int:
+    """The validation `read_manifest(..., validate=False)` left out; with `parts` > 1 only the
+    `part`-th share of it (the ranks of a mount split the work): it returns the children the
+    share's directories list, and the shares' sum must pass `_validate.check_children`."""
+    from ._validate import validate
+
+    children = validate(m, part, parts)
+    m._checked = parts == 1
     _finished(m, drop=True)
+    return children
+
+
+def header_digest(m: Manifest) -> int:
+    """The checksum of the header and section table of a mapped manifest: it covers every
+    section's checksum, so two copies with equal digests (each checked) hold the same bytes."""
+    return int.from_bytes(bytes(m._keep[_MANIFEST_HEADER.size - 8 : _MANIFEST_HEADER.size]), "little")
 
 
 def _finished(m: Manifest, drop: bool) -> None:

@@ -137,9 +137,10 @@ def _np_col(col: object, dtype: str) -> np.ndarray:
 
 
 def broadcast_mask(manifest: Manifest) -> np.ndarray:
-    """A bool per blob: in a broadcast partition (held by every rank)."""
-    flags = np.array([p.broadcast for p in manifest.partitions] or [False], dtype=bool)
-    return flags[_np_col(manifest.blobs["part"], "<u4")]
+    """A bool per blob: in a broadcast partition (held by every rank). Partition numbers out of
+    range (a manifest whose blob table another rank is still validating) count as not."""
+    flags = np.array([p.broadcast for p in manifest.partitions] + [False], dtype=bool)
+    return flags[np.minimum(_np_col(manifest.blobs["part"], "<u4"), len(flags) - 1)]
 
 
 def _to_array(x: np.ndarray) -> array:

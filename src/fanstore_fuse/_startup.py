@@ -18,7 +18,8 @@ import numpy as np
 import trio
 
 from ._blobstore import BlobStore, DenseMap
-from ._format import Manifest, finish_manifest, read_manifest, trim_heap
+from ._errors import FormatError
+from ._format import Manifest, finish_manifest, header_digest, read_manifest, trim_heap
 from ._fsio import atomic_write
 from ._ring import LocalOnlyPlacement, Locator, Placement
 from ._ring_np import blobs_by_rank
@@ -30,6 +31,7 @@ from ._stage import (
     stage_in,
     stage_manifest,
 )
+from ._validate import check_children
 
 log = logging.getLogger("fanstore_fuse.daemon")
 
@@ -39,20 +41,27 @@ class PeerFailed(Exception):
 
 
 class Exchange:
-    """The placement split of start-up: each rank hashes 1/N of the blob ids and the ranks
-    swap the lists (one alltoall), so no rank hashes every blob. Every rank calls it exactly
+    """The split of start-up work between ranks: each rank validates 1/N of the manifest and
+    hashes the placement of 1/N of the blob ids; one alltoall swaps the blob lists together
+    with each rank's validation result (its copy's header digest and its share's count of
+    listed children), so no rank validates or hashes everything. Every rank calls it exactly
     once, a rank that failed earlier with `fail()`, so the collective never waits forever."""
 
     def __init__(self, comm: Any, nranks: int):
         self.comm, self.nranks, self.done = comm, nranks, False
 
-    def blobs(self, manifest: Manifest, placement: Placement, rank: int) -> np.ndarray:
+    def blobs(self, manifest: Manifest, placement: Placement, rank: int, children: int
+              ) -> np.ndarray:
         n, k = manifest.n_blobs, self.nranks
         lists = blobs_by_rank(placement, n * rank // k, n * (rank + 1) // k, broadcast_mask(manifest))
-        got = self._swap(lists)
+        checked = (header_digest(manifest), children)
+        got = self._swap([(checked, x) for x in lists])
         if any(g is None for g in got):
             raise PeerFailed
-        return np.concatenate(got)
+        if len({g[0][0] for g in got}) != 1:
+            raise FormatError("the ranks copied different manifests (DEST changed during the mount)")
+        check_children(sum(g[0][1] for g in got), manifest.n_entries)
+        return np.concatenate([g[1] for g in got])
 
     def fail(self) -> None:
         if not self.done and self.nranks > 1:
@@ -129,14 +138,16 @@ def stage(dest: str, local: str, rank: int, nranks: int, replicas: int, exchange
     the partition table, checked first); nothing is served before both finished."""
     copy = stage_manifest(dest, local)
     clock("manifest copy")
-    manifest = read_manifest(copy, validate=nranks > 1)
-    clock("manifest check" if nranks > 1 else "manifest checksums")
+    manifest = read_manifest(copy, validate=False)
+    clock("manifest checksums")
     parts = manifest.partitions
     placement = Placement(nranks, replicas, is_broadcast=_broadcast(manifest))
     shares: dict[int, Ranges | None] | None = None
     dense: DenseMap | None = None
     if nranks > 1:
-        held = exchange.blobs(manifest, placement, rank)
+        children = finish_manifest(manifest, rank, nranks)
+        clock(f"manifest check (1/{nranks})")
+        held = exchange.blobs(manifest, placement, rank, children)
         clock("placement")
         shares, dense = plan_dense(manifest, held)
         clock("share plan")
