@@ -6,38 +6,13 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
 
 import typer
 
+from ._console import err, progress, warn_widened, warn_widened_meanwhile
 from ._errors import FanstoreError
 
-if TYPE_CHECKING:
-    from rich.console import Console
-    from rich.progress import Progress
-
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
-
-
-class _Stderr:
-    """rich's Console on stderr, imported on first use (a daemon never prints: rich stays out
-    of its start-up)."""
-
-    _console: Any = None
-
-    def console(self) -> Console:
-        if _Stderr._console is None:
-            from rich.console import Console
-
-            _Stderr._console = Console(stderr=True, soft_wrap=True)
-        return _Stderr._console
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.console(), name)
-
-
-err = _Stderr()
 
 
 @app.callback()
@@ -55,28 +30,6 @@ def _setup(verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
 def _fail(msg: str, code: int = 1) -> None:
     err.print(f"[bold red]fanstore-fuse:[/] {msg}", highlight=False)
     raise typer.Exit(code)
-
-
-def _progress(quiet: bool) -> Progress:
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=err.console(),
-        disable=quiet or not err.is_terminal,
-        transient=True,
-    )
 
 
 @app.command()
@@ -108,7 +61,7 @@ def prep(
         opts = PrepOptions(partitions, codec, level, chunk_mib << 20, list(broadcast), workers,
                            mode=parse_mode(mode), group=group, frame_size=frame_kib << 10,
                            dictionary=dictionary)
-        with _progress(quiet) as prog:
+        with progress(quiet) as prog:
             task = prog.add_task("prep", total=None)
 
             last = [0.0]
@@ -147,7 +100,7 @@ def verify(
         rep = do_verify(dest, workers=workers)
     except (FanstoreError, OSError) as e:
         _fail(f"manifest: {e}")
-    _warn_widened(dest)
+    warn_widened(dest)
     if json_out:
         print(json.dumps({"ok": rep.ok, "entries": rep.entries, "blobs": rep.blobs,
                           "bytes": rep.bytes, "problems": rep.problems}))
@@ -215,9 +168,9 @@ def mount(
     multi = not mpi and (ranks is not None or bool(join) or bool(os.environ.get("SLURM_JOB_ID")))
     if not mpi and ready_fd is None:  # once, by the command the user ran
         if multi or not foreground:  # while the daemons start (it reads 3 manifest columns)
-            ctx.call_on_close(_warn_widened_meanwhile(dest))
+            ctx.call_on_close(warn_widened_meanwhile(dest))
         else:
-            _warn_widened(dest)
+            warn_widened(dest)
     if multi or not foreground:
         # The daemon(s) run this same command in the foreground, with the same options.
         argv = ["mount", dest, mountpoint, "--foreground", *_write_args(write_quota, read_only)]
@@ -272,23 +225,6 @@ def mount(
         join_timeout=join_timeout, stage_out=stage_out, cache_size=cache_size,
     )
     raise typer.Exit(serve(cfg))
-
-
-def _warn_widened(dest: str) -> None:
-    from ._perms import dest_warning
-
-    msg = dest_warning(dest)
-    if msg:
-        err.print(f"[yellow]fanstore-fuse: warning:[/] {msg}", highlight=False)
-
-
-def _warn_widened_meanwhile(dest: str) -> Callable[[], None]:
-    """`_warn_widened` in a thread from now on; the call returned waits for it and prints."""
-    import threading
-
-    thread = threading.Thread(target=_warn_widened, args=(dest,), daemon=True)
-    thread.start()
-    return thread.join
 
 
 def _parse_size(text: str | None) -> int | None:
