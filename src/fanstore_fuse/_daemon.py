@@ -319,6 +319,8 @@ def serve(cfg: MountConfig) -> int:
         own.save()
     if rank == 0 or here[0]["rank"] == rank:
         group.save()
+    assert pages is not None  # set by the setup, which succeeded on every rank
+    pages.ready()  # what start-up touched of the manifest: back to the page cache
     summary = ""
     if rank == 0:
         staged = sum(i["staged"] for i in infos)
@@ -329,8 +331,6 @@ def serve(cfg: MountConfig) -> int:
     if rank == 0 or cfg.join:
         write_ready_file(cfg.ready_file, "ready\n" + summary)
     notify(cfg.ready_fd, "ready")
-    assert pages is not None  # set by the setup, which succeeded on every rank
-    pages.ready()  # what start-up touched of the manifest: back to the page cache
     m.clock("ready")
     m.clock.report()
     code = 0

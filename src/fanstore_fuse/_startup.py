@@ -167,8 +167,9 @@ def stage(dest: str, local: str, rank: int, nranks: int, replicas: int, exchange
         "staged_bytes": res.bytes,
         "stage_in_us": int(dt * 1e6),
     }
-    del held
-    trim_heap()  # the placement lists and what the copy threads left
+    del held, shares, progress
+    trim_heap()  # the placement lists, the copy ranges (16 B per held blob), the copy threads'
+
     log.info("rank %d staged %d partitions, %d bytes into %s in %.3f s (%.0f MB/s)", rank,
              res.partitions, res.bytes, local, dt, res.bytes / max(dt, 1e-9) / 1e6)
     clock("stage-in" if nranks > 1 else "manifest check + stage-in (overlapped)")
