@@ -217,12 +217,13 @@ class MappedPages:
     alone), so after a full walk of a 14M-entry dataset a daemon would hold ~1.4 GB of it. The
     pages are the page cache's: `MADV_DONTNEED` on a shared read-only file mapping only unmaps
     them (the next touch is a minor fault, no I/O). `drop()` at ready lets go of what start-up
-    touched; `run()` checks `RssFile` every `period` s and drops the mapping's pages, in a
-    thread, 64 MiB per call, once it grew more than `budget` above the level at ready."""
+    touched; `run()` checks `RssFile` every `period` s (a 2 KB read) and drops the mapping's
+    pages, in a thread, 64 MiB per call, once it grew more than `budget` above the level at
+    ready (with fault-around, 3 s of random lookups map ~100 MB: a 1 s period was too slow)."""
 
     STEP = 64 << 20
 
-    def __init__(self, manifest: Manifest, budget: int = 16 << 20, period: float = 1.0):
+    def __init__(self, manifest: Manifest, budget: int = 16 << 20, period: float = 0.25):
         self.mm: mmap.mmap | None = manifest._keep if isinstance(manifest._keep, mmap.mmap) else None
         self.budget, self.period = budget, period
         self.base = 0
