@@ -223,7 +223,7 @@ class MappedPages:
 
     STEP = 64 << 20
 
-    def __init__(self, manifest: Manifest, budget: int = 16 << 20, period: float = 0.25):
+    def __init__(self, manifest: Manifest, budget: int = 8 << 20, period: float = 0.25):
         self.mm: mmap.mmap | None = manifest._keep if isinstance(manifest._keep, mmap.mmap) else None
         self.budget, self.period = budget, period
         self.base = 0
