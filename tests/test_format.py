@@ -4,6 +4,7 @@ truncation, hostile manifests, and blob verification (see docs/format.md)."""
 from __future__ import annotations
 
 import os
+import re
 import stat
 import struct
 import tempfile
@@ -277,9 +278,7 @@ def _hostile(dest: Path, mutate) -> bytes:
     return encode_manifest(m)
 
 
-@pytest.mark.parametrize(
-    "mutate, msg",
-    [
+HOSTILE = [
         (lambda m: m.entries["parent"].__setitem__(1, 5), "parent"),
         (lambda m: m.entries["mode"].__setitem__(1, m.entries["mode"][1] | stat.S_ISUID), "setuid"),
         (lambda m: m.entries["kind"].__setitem__(0, KIND_FILE), "root"),
@@ -299,11 +298,53 @@ def _hostile(dest: Path, mutate) -> bytes:
         (lambda m: m.blobs["codec"].__setitem__(0, 2), "dictionary"),
         (lambda m: m.options.__setitem__("chunk_size", 1 << 40), "chunk"),
         (lambda m: m.name_off.__setitem__(len(m.name_off) - 1, 1), "name table"),
-    ],
-)
+]
+
+
+@pytest.mark.parametrize("mutate, msg", HOSTILE)
 def test_hostile_manifests_are_refused(small_dest: Path, mutate, msg):
     with pytest.raises(FormatError, match=msg):
         decode_manifest(_hostile(small_dest, mutate))
+
+
+def _split_errors(data: bytes, parts: int) -> list[str]:
+    """Validate `data` in `parts` shares, as the ranks of a mount do; every share's error."""
+    from fanstore_fuse import _format, _validate
+
+    try:
+        m = _format._parse(memoryview(data), None, validate=False)
+    except FormatError as e:  # header, checksums, partition table: every rank checks those
+        return [str(e)]
+    errors, children = [], 0
+    for part in range(parts):
+        try:
+            children += _validate.validate(m, part, parts)
+        except FormatError as e:
+            errors.append(str(e))
+    if not errors:
+        try:
+            _validate.check_children(children, m.n_entries)
+        except FormatError as e:
+            errors.append(str(e))
+    return errors
+
+
+@pytest.mark.parametrize("mutate, msg", [(lambda m: None, ""), *HOSTILE])
+def test_validation_split_between_ranks_finds_what_one_finds(small_dest: Path, mutate, msg,
+                                                              monkeypatch):
+    """Each rank of a mount validates one share of every loop (chunks of 4 items here, so the
+    small tree has many): a valid manifest passes in every split, and a hostile one is refused
+    by some share with the error one whole validation gives."""
+    from fanstore_fuse import _validate
+
+    monkeypatch.setattr(_validate, "CHUNK", 4)
+    data = _hostile(small_dest, mutate)
+    for parts in (1, 2, 3, 7):
+        errors = _split_errors(data, parts)
+        if not msg:
+            assert errors == [], (parts, errors)
+        else:
+            assert errors and any(re.search(msg, e) for e in errors), (parts, errors)
 
 
 def _first_file(m) -> int:

@@ -1,11 +1,15 @@
 """fanstore-fuse: a job-scoped, FUSE-mounted distributed transient file system for DL I/O."""
 
+from typing import TYPE_CHECKING, Any
+
 from . import _fastclose  # noqa: F401  (first: loads the FOPEN_NOFLUSH shim before pyfuse3)
 from ._errors import ChecksumError, FanstoreError, FormatError
 from ._format import FORMAT_VERSION, Manifest, read_manifest
 from ._namespace import Namespace
-from ._prep import PrepOptions, PrepResult, prep
-from ._verify import VerifyReport, verify
+
+if TYPE_CHECKING:
+    from ._prep import PrepOptions, PrepResult, prep
+    from ._verify import VerifyReport, verify
 
 __version__ = "0.1.0"
 
@@ -24,3 +28,17 @@ __all__ = [
     "read_manifest",
     "verify",
 ]
+
+
+_LAZY = {"PrepOptions": "_prep", "PrepResult": "_prep", "prep": "_prep",
+         "VerifyReport": "_verify", "verify": "_verify"}
+
+
+def __getattr__(name: str) -> Any:
+    """prep and verify are imported on first use: a mount daemon needs neither (zstandard's
+    trainer, the thread pools and the walk stay out of its start-up)."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,6 +27,7 @@ from ._blobstore import BlobStore
 from ._cluster import ClusterBlobSource, ClusterMetadata, StatusBoard, serve_handlers
 from ._diskcache import BLOCKED, CACHE_DIR, DiskCache, resolve_limit
 from ._format import Manifest
+from ._fsio import untouched_zeros
 from ._messages import HandlerTable
 from ._namespace import Namespace
 from ._node import BlobSource, LocalBlobSource, LocalMetadata, Metadata, Node, Stats
@@ -78,7 +79,7 @@ class CachingBlobSource:
         self.threshold = threshold
         self._limiter = trio.CapacityLimiter(max(2, (os.cpu_count() or 1) * 2))
         # 0 not asked yet, 1 held here, 2 held elsewhere: `held` (a ring lookup, ~6 us) once per blob
-        self._where = np.zeros(len(sizes), dtype=np.uint8)
+        self._where = untouched_zeros(len(sizes), np.uint8)
 
     def holds(self, blob: int) -> bool:
         """This rank holds `blob` (remembered per blob: the ring is asked once)."""

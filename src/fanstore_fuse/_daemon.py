@@ -10,12 +10,10 @@ import os
 import signal
 import socket
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-import numpy as np
 import pyfuse3
 import trio
 
@@ -24,7 +22,6 @@ from ._blobstore import BlobStore
 from ._compose import Parts, compose, open_transport
 from ._errors import FanstoreError
 from ._fastclose import enable_noflush, patched_sessions
-from ._format import Manifest, read_manifest
 from ._fsio import atomic_write
 from ._fuse_ops import Operations
 from ._fuseaccess import fuse_access_problem, mount_failure
@@ -39,10 +36,8 @@ from ._mountctl import (
     state_dir,
 )
 from ._readahead import hold_readahead, set_readahead
-from ._ring import LocalOnlyPlacement, Locator, Placement
-from ._ring_np import blobs_by_rank
 from ._settings import Settings
-from ._stage import Ranges, broadcast_mask, plan_dense, stage_in, stage_manifest
+from ._startup import Exchange, MappedPages, PeerFailed, Phases, Staged, stage
 from ._transport import Transport
 from ._view import ENTRY_TIMEOUT, MountView
 from .writes import WriteStore
@@ -132,7 +127,7 @@ class _Mounted:
     held: dict[str, int] = field(default_factory=dict)
     writes: WriteStore | None = None
     parts: Parts | None = None
-    clock: _Phases = field(default_factory=lambda: _Phases(0))
+    clock: Phases = field(default_factory=lambda: Phases(0))
 
     def teardown(self) -> None:
         if self.writes is not None:
@@ -153,38 +148,8 @@ class _Mounted:
                 os.rmdir(self.mountpoint)
 
 
-class _PeerFailed(Exception):
-    """Another rank failed before the placement exchange (it reports its own error)."""
-
-
-class _Exchange:
-    """The placement split of start-up: each rank hashes 1/N of the blob ids and the ranks
-    swap the lists (one alltoall), so no rank hashes every blob. Every rank calls it exactly
-    once, a rank that failed earlier with `fail()`, so the collective never waits forever."""
-
-    def __init__(self, comm: Any, nranks: int):
-        self.comm, self.nranks, self.done = comm, nranks, False
-
-    def blobs(self, manifest: Manifest, placement: Placement, rank: int) -> np.ndarray:
-        n, k = manifest.n_blobs, self.nranks
-        lists = blobs_by_rank(placement, n * rank // k, n * (rank + 1) // k, broadcast_mask(manifest))
-        got = self._swap(lists)
-        if any(g is None for g in got):
-            raise _PeerFailed
-        return np.concatenate(got)
-
-    def fail(self) -> None:
-        if not self.done and self.nranks > 1:
-            self._swap([None] * self.nranks)
-
-    def _swap(self, out: list[Any]) -> list[Any]:
-        self.done = True
-        return self.comm.alltoall(out)
-
-
-def _setup(cfg: MountConfig, rank: int, nranks: int, m: _Mounted, exchange: _Exchange
-           ) -> tuple[Manifest, Locator]:
-    """Check the mountpoint, stage in this rank's share, open the write store."""
+def _setup(cfg: MountConfig, rank: int, nranks: int, m: _Mounted, exchange: Exchange) -> Staged:
+    """Check the mountpoint, stage in this rank's share (`_startup.stage`), open the write store."""
     mp = m.mountpoint
     if "{rank}" in cfg.mountpoint and not os.path.exists(mp):
         os.makedirs(mp, exist_ok=True)
@@ -196,95 +161,13 @@ def _setup(cfg: MountConfig, rank: int, nranks: int, m: _Mounted, exchange: _Exc
     state_dir()  # a state dir we may not use is a one-line error now, not after mounting
     local_t = cfg.local_dir or (default_local_dir(cfg.mountpoint) + ("/{rank}" if nranks > 1 else ""))
     m.local = prepare_local_dir(for_rank(local_t, rank))
-    clock = m.clock
-    local_manifest = stage_manifest(cfg.dest, m.local)
-    clock("manifest copy")
-    manifest = read_manifest(local_manifest)
-    clock("manifest check")
-    parts = manifest.partitions
-    bpart = manifest.blobs["part"]
-    placement = Placement(
-        nranks, cfg.replicas, is_broadcast=lambda b: parts[bpart[b]].broadcast
-    )
-    shares: dict[int, Ranges | None] | None
-    dense = None
-    if nranks == 1:
-        shares = None
-        held = np.arange(manifest.n_blobs)
-    else:
-        mine = exchange.blobs(manifest, placement, rank)
-        clock("placement")
-        shares, dense = plan_dense(manifest, mine)
-        held = mine
-        clock("share plan")
-    total = sum(parts[p].size if r is None else int(r[:, 1].sum())
-                for p, r in (shares or {p: None for p in range(len(parts))}).items())
-    progress = _progress_writer(cfg.progress_file, total) if rank == 0 else None
-    t0 = time.perf_counter()
-    res = stage_in(cfg.dest, m.local, manifest, shares, progress=progress)
-    dt = time.perf_counter() - t0
-    m.held = {
-        "blobs_held": len(held),
-        "bytes_held": int(np.frombuffer(manifest.blobs["raw"], "<u4")[held].sum(dtype=np.uint64)),
-        "staged_bytes": res.bytes,
-        "stage_in_us": int(dt * 1e6),
-    }
-    log.info("rank %d staged %d partitions, %d bytes into %s in %.3f s (%.0f MB/s)", rank,
-             res.partitions, res.bytes, m.local, dt, res.bytes / max(dt, 1e-9) / 1e6)
-    clock("stage-in")
-    m.store = BlobStore(manifest, m.local, dense)
+    staged = stage(cfg.dest, m.local, rank, nranks, cfg.replicas, exchange, m.clock,
+                   cfg.progress_file)
+    m.store, m.held = staged.store, staged.held
     if cfg.writable:
         m.writes = WriteStore(m.local, rank, cfg.write_quota)
-    clock("write store")
-    return manifest, placement if nranks > 1 else LocalOnlyPlacement()
-
-
-class _Phases:
-    """Wall and CPU seconds of each start-up phase, logged in one line (docs/performance.md)."""
-
-    def __init__(self, rank: int):
-        self.rank = rank
-        self.last = (time.perf_counter(), time.process_time())
-        self.parts = [f"process start to here {_age():.3f}/{self.last[1]:.3f}"]
-
-    def __call__(self, what: str) -> None:
-        now = (time.perf_counter(), time.process_time())
-        self.parts.append(f"{what} {now[0] - self.last[0]:.3f}/{now[1] - self.last[1]:.3f}")
-        self.last = now
-
-    def report(self) -> None:
-        log.info("rank %d start-up, wall/CPU s: %s", self.rank, ", ".join(self.parts))
-
-
-def _age() -> float:
-    """Seconds since this process started (start time from /proc; 0 where there is none)."""
-    try:
-        with open("/proc/self/stat") as f:
-            start = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
-        with open("/proc/uptime") as f:
-            return float(f.read().split()[0]) - start
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
-def _progress_writer(path: str | None, total: int):
-    """A stage-in progress callback writing "done total" to `path` (for the launcher's bar)."""
-    if not path:
-        return None
-    done = 0
-    last = 0.0
-
-    def tick(n: int) -> None:
-        nonlocal done, last
-        done += n
-        now = time.monotonic()
-        if now - last > 0.1 or done >= total:
-            last = now
-            with contextlib.suppress(OSError):
-                atomic_write(path, f"{done} {total}\n", durable=False)
-
-    tick(0)
-    return tick
+    m.clock("write store")
+    return staged
 
 
 def _mount(cfg: MountConfig, m: _Mounted, view: MountView, settings: Settings) -> None:
@@ -378,22 +261,23 @@ def serve(cfg: MountConfig) -> int:
     except FanstoreError as e:
         _report_failure(cfg, f"error: {e}")
         return 1
-    m = _Mounted(for_rank(cfg.mountpoint, rank), clock=_Phases(rank))
+    m = _Mounted(for_rank(cfg.mountpoint, rank), clock=Phases(rank))
     error = ""
-    exchange = _Exchange(comm, nranks)
+    exchange = Exchange(comm, nranks)
+    pages: MappedPages | None = None
     try:
         settings = Settings.from_env()
         if cfg.cache_size is not None:
             settings = dataclasses.replace(settings, cache_size=cfg.cache_size)
-        manifest, placement = _setup(cfg, rank, nranks, m, exchange)
-        assert m.store is not None
-        m.parts = compose(manifest, m.store, cfg.dest, placement, rank,
+        ready = _setup(cfg, rank, nranks, m, exchange)
+        pages = MappedPages(ready.manifest)
+        m.parts = compose(ready.manifest, ready.store, cfg.dest, ready.placement, rank,
                           lambda table: open_transport(comm, table, settings), m.writes, settings,
                           m.held, cfg.peer_timeout, cfg.warm_metadata, cache_dir=m.local)
         m.clock("compose")
         _mount(cfg, m, m.parts.view, settings)
         m.clock("fuse init")
-    except _PeerFailed:
+    except PeerFailed:
         pass  # the rank that failed says why in the allgather below
     except FanstoreError as e:
         error = str(e)
@@ -435,6 +319,8 @@ def serve(cfg: MountConfig) -> int:
         own.save()
     if rank == 0 or here[0]["rank"] == rank:
         group.save()
+    assert pages is not None  # set by the setup, which succeeded on every rank
+    pages.ready()  # what start-up touched of the manifest: back to the page cache
     summary = ""
     if rank == 0:
         staged = sum(i["staged"] for i in infos)
@@ -449,7 +335,7 @@ def serve(cfg: MountConfig) -> int:
     m.clock.report()
     code = 0
     assert m.parts is not None  # set by the setup, which succeeded on every rank
-    side = []
+    side: list[Callable[[], Awaitable[None]]] = [pages.run]
     if nranks > 1 and cfg.writable:
         mine = {i["rank"] for i in here}
         others = [r for r in range(nranks) if r not in mine]

@@ -43,7 +43,7 @@ import numpy as np
 
 from ._errors import FanstoreError
 from ._format import checksum
-from ._fsio import CachedReads
+from ._fsio import CachedReads, untouched_zeros
 from ._safepath import open_private
 from ._settings import parse_cache_size
 
@@ -129,7 +129,7 @@ class DiskCache:
         self.limit = limit
         self.segment_bytes = segment_bytes or segment_bytes_for(limit)
         self._sizes = sizes
-        self._loc = np.zeros(len(sizes), dtype=np.uint64)
+        self._loc = untouched_zeros(len(sizes), np.uint64)  # pages cost only once written
         self._segs: dict[int, _Segment] = {}  # live segments, oldest first (insertion order)
         self._next = 1
         self._lock = threading.Lock()

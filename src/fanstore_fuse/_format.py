@@ -255,9 +255,12 @@ def decode_manifest(data: bytes | bytearray | memoryview) -> Manifest:
     return _parse(memoryview(data).cast("B"), None)
 
 
-def read_manifest(path: str | os.PathLike[str], writable: bool = False) -> Manifest:
+def read_manifest(path: str | os.PathLike[str], writable: bool = False,
+                  validate: bool = True) -> Manifest:
     """Map and fully validate the manifest at `path`. `writable`: a private copy-on-write
-    mapping whose columns may be changed in memory (tests); the file never changes."""
+    mapping whose columns may be changed in memory (tests); the file never changes. Without
+    `validate` (read-only mappings), only the header, the section checksums and the partition
+    table are checked: the caller must call `finish_manifest` before using anything else."""
     p = os.fspath(path)
     try:
         fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
@@ -276,12 +279,35 @@ def read_manifest(path: str | os.PathLike[str], writable: bool = False) -> Manif
         mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY if writable else mmap.ACCESS_READ)
     finally:
         os.close(fd)
-    m = _parse(memoryview(mm), None if writable else mm)
+    m = _parse(memoryview(mm), None if writable else mm, validate or writable)
     m._keep = mm
-    if not writable:
-        mm.madvise(mmap.MADV_DONTNEED)  # validation touched every page: let them go again
-    trim_heap()
+    if validate or writable:
+        _finished(m, drop=not writable)
     return m
+
+
+def finish_manifest(m: Manifest, part: int = 0, parts: int = 1) -> int:
+    """The validation `read_manifest(..., validate=False)` left out; with `parts` > 1 only the
+    `part`-th share of it (the ranks of a mount split the work): it returns the children the
+    share's directories list, and the shares' sum must pass `_validate.check_children`."""
+    from ._validate import validate
+
+    children = validate(m, part, parts)
+    m._checked = parts == 1
+    _finished(m, drop=True)
+    return children
+
+
+def header_digest(m: Manifest) -> int:
+    """The checksum of the header and section table of a mapped manifest: it covers every
+    section's checksum, so two copies with equal digests (each checked) hold the same bytes."""
+    return int.from_bytes(bytes(m._keep[_MANIFEST_HEADER.size - 8 : _MANIFEST_HEADER.size]), "little")
+
+
+def _finished(m: Manifest, drop: bool) -> None:
+    if drop and isinstance(m._keep, mmap.mmap):
+        m._keep.madvise(mmap.MADV_DONTNEED)  # validation touched every page: let them go again
+    trim_heap()
 
 
 def trim_heap() -> None:
@@ -379,7 +405,7 @@ def check_manifest_header(path: str | os.PathLike[str]) -> None:
     _header(memoryview(head), size)
 
 
-def _parse(buf: memoryview, mm: mmap.mmap | None) -> Manifest:
+def _parse(buf: memoryview, mm: mmap.mmap | None, validate: bool = True) -> Manifest:
     _, _, table = _header(buf, len(buf))
     for name, (off, length, want) in zip(SECTIONS, table):
         if _digest(buf, off, length, mm) != want:
@@ -391,7 +417,12 @@ def _parse(buf: memoryview, mm: mmap.mmap | None) -> Manifest:
         raise
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
         raise FormatError(f"manifest is malformed: {type(e).__name__}: {e}") from None
-    validate_manifest(m)
+    if validate:
+        validate_manifest(m)
+    else:
+        from ._validate import check_partitions
+
+        check_partitions(m)
     return m
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
+from typing import Any
 
 from ._safepath import open_private
 
@@ -74,3 +76,14 @@ def atomic_write(path: str, data: bytes | str, durable: bool = True) -> None:
         raise
     if durable:
         fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def untouched_zeros(n: int, dtype: Any) -> Any:
+    """A zero-filled numpy array of `n` items in its own anonymous mapping: its pages cost no
+    memory until written. (`np.zeros` may get a reused heap block from calloc, which clears it
+    and so makes every page resident: 10 MB for a per-blob index at 1.28M blobs.)"""
+    import numpy as np
+
+    dt = np.dtype(dtype)
+    return np.frombuffer(mmap.mmap(-1, max(1, n * dt.itemsize)), dtype=dt, count=n)
+

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import stat
 from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
@@ -44,9 +45,27 @@ def _col(buf: Any, typecode: str, n: int, what: str) -> np.ndarray:
     return a
 
 
+# (part, parts): this validation checks the part-th of `parts` contiguous runs of every loop's
+# chunks (`validate(m, part, parts)`: the ranks of a mount share the work).
+_SHARE: ContextVar[tuple[int, int]] = ContextVar("validate_share", default=(0, 1))
+
+
+def _mine(lo: int, hi: int) -> range:
+    """The chunk numbers of range(lo, hi) this validation checks."""
+    count = max(0, -(-(hi - lo) // CHUNK))
+    part, parts = _SHARE.get()
+    return range(count * part // parts, count * (part + 1) // parts)
+
+
 def _chunks(lo: int, hi: int) -> Iterator[tuple[int, int]]:
-    for a in range(lo, hi, CHUNK):
+    for c in _mine(lo, hi):
+        a = lo + c * CHUNK
         yield a, min(a + CHUNK, hi)
+
+
+def _owns_last(lo: int, hi: int) -> bool:
+    mine = _mine(lo, hi)
+    return hi <= lo or (len(mine) > 0 and mine[-1] == -(-(hi - lo) // CHUNK) - 1)
 
 
 def _first(mask: np.ndarray, base: int = 0) -> int | None:
@@ -60,7 +79,26 @@ def _fail_at(mask: np.ndarray, base: int, msg: str) -> None:
         raise FormatError(msg.format(i=i))
 
 
-def validate(m: Manifest) -> None:
+def validate(m: Manifest, part: int = 0, parts: int = 1) -> int:
+    """Check every rule, or with `parts` > 1 the global ones and the `part`-th share of every
+    per-item loop. Returns the number of children the share's directories list: the shares'
+    sum must be `check_children`ed (with one part it is checked here)."""
+    token = _SHARE.set((part, parts))
+    try:
+        children = _validate(m)
+    finally:
+        _SHARE.reset(token)
+    if parts == 1:
+        check_children(children, m.n_entries)
+    return children
+
+
+def check_children(total: int, n: int) -> None:
+    if total != n - 1:
+        raise FormatError("directory listings do not cover every entry exactly once")
+
+
+def _validate(m: Manifest) -> int:
     n, nb = m.n_entries, m.n_blobs
     e = {k: _col(m.entries[k], t, n, k) for k, t in ENTRY_COLUMNS.items()}
     b = {k: _col(m.blobs[k], t, nb, k) for k, t in BLOB_COLUMNS.items()}
@@ -68,16 +106,18 @@ def validate(m: Manifest) -> None:
     names = np.frombuffer(memoryview(m.names).cast("B"), dtype=np.uint8)
     links = np.frombuffer(memoryview(m.links).cast("B"), dtype=np.uint8)
     _name_table(off, len(names), n)
-    chunk = _partitions_and_options(m)
+    chunk = check_partitions(m)
     _root_and_kinds(e, n)
-    _tree(e, n)
+    children = _tree(e, n)
     _names(off, names, n)
     _sorted(e["parent"], off, names, n)
     _blobs(m, b, chunk, nb)
     _files(e, b["raw"], n, nb)
     _links(e, len(links), n)
-    if len(links) and _first(links == 0) is not None:
-        raise FormatError("a symlink target contains NUL")
+    for a, z in _chunks(0, len(links)):
+        if _first(links[a:z] == 0) is not None:
+            raise FormatError("a symlink target contains NUL")
+    return children
 
 
 def _name_table(off: np.ndarray, heap: int, n: int) -> None:
@@ -88,7 +128,8 @@ def _name_table(off: np.ndarray, heap: int, n: int) -> None:
                  "manifest name table is inconsistent (offsets decrease at entry {i})")
 
 
-def _partitions_and_options(m: Manifest) -> int:
+def check_partitions(m: Manifest) -> int:
+    """The partition table (safe file names, sizes) and the chunk size: all stage-in needs."""
     for i, p in enumerate(m.partitions):
         if not PARTITION_NAME_RE.fullmatch(p.name):
             raise FormatError(f"partition {i} has an unsafe file name {p.name!r}")
@@ -113,9 +154,10 @@ def _root_and_kinds(e: dict[str, np.ndarray], n: int) -> None:
         _fail_at((md & 0o170000) != _IFMT[k], a, "entry {i}: kind/mode mismatch")
 
 
-def _tree(e: dict[str, np.ndarray], n: int) -> None:
+def _tree(e: dict[str, np.ndarray], n: int) -> int:
     """Parents come first and are directories; each directory's children are a range after it
-    that holds exactly the entries naming it as parent; the ranges cover every entry once."""
+    that holds exactly the entries naming it as parent; the ranges cover every entry once (the
+    count of listed children is returned for `check_children`)."""
     parent, kind, first, count = e["parent"], e["kind"], e["first"], e["count"]
     total = 0
     for a, z in _chunks(0, n):
@@ -132,14 +174,13 @@ def _tree(e: dict[str, np.ndarray], n: int) -> None:
         bad = is_dir & (c > 0) & ((f <= here) | (f > n) | (c > np.uint64(n) - np.minimum(f, n)))
         _fail_at(bad, a, "directory entry {i} has children out of range (cycle?)")
         total += int(c[is_dir].sum())
-    if total != n - 1:
-        raise FormatError("directory listings do not cover every entry exactly once")
     for a, z in _chunks(1, n):
         p = parent[a:z]
         j = np.arange(a, z, dtype=np.uint64)
         f = first[p]
         bad = (j < f) | (j >= f + count[p])
         _fail_at(bad, a, "entry {i} is not in its parent directory's listing")
+    return total
 
 
 def _names(off: np.ndarray, names: np.ndarray, n: int) -> None:
@@ -227,9 +268,11 @@ def _blobs(m: Manifest, b: dict[str, np.ndarray], chunk: int, nb: int) -> None:
 def _files(e: dict[str, np.ndarray], raw: np.ndarray, n: int, nb: int) -> None:
     """Files' blob ranges tile the blob table in entry order; each file's blobs sum to its size."""
     kind, first, count, size = e["kind"], e["first"], e["count"], e["size"]
-    nxt = 0  # the blob the next file must start at
-    done = np.uint64(0)  # raw bytes of blobs before `nxt`
+    nxt = -1  # the blob the next file must start at (found when the share's first chunk comes)
+    done = np.uint64(0)  # raw bytes of blobs from the share's first one to `nxt` (differences only)
     for a, z in _chunks(0, n):
+        if nxt < 0:
+            nxt = _file_end_before(kind, first, count, a)
         f = np.flatnonzero(kind[a:z] == KIND_FILE) + a
         if not len(f):
             continue
@@ -251,8 +294,21 @@ def _files(e: dict[str, np.ndarray], raw: np.ndarray, n: int, nb: int) -> None:
             i = int(f[bad])
             raise FormatError(f"file entry {i}: size {int(size[i])} does not match its blobs")
         nxt, done = end, csum[-1]
-    if nxt != nb:
-        raise FormatError(f"blobs {nxt}..{nb - 1} belong to no file")
+    if _owns_last(0, n):
+        nxt = _file_end_before(kind, first, count, n) if nxt < 0 else nxt
+        if nxt != nb:
+            raise FormatError(f"blobs {nxt}..{nb - 1} belong to no file")
+
+
+def _file_end_before(kind: np.ndarray, first: np.ndarray, count: np.ndarray, a: int) -> int:
+    """Where the blobs of the last file entry before entry `a` end (0: no file before it). Its
+    own range is checked by the share that holds it; a share starting after it continues there."""
+    for z in range(a, 0, -CHUNK):
+        f = np.flatnonzero(kind[max(0, z - CHUNK) : z] == KIND_FILE)
+        if len(f):
+            i = max(0, z - CHUNK) + int(f[-1])
+            return min(int(first[i]) + int(count[i]), 1 << 63)
+    return 0
 
 
 def _links(e: dict[str, np.ndarray], heap: int, n: int) -> None:

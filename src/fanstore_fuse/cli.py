@@ -8,20 +8,11 @@ import sys
 import time
 
 import typer
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 
+from ._console import err, progress, warn_widened, warn_widened_meanwhile
 from ._errors import FanstoreError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
-err = Console(stderr=True, soft_wrap=True)
 
 
 @app.callback()
@@ -39,19 +30,6 @@ def _setup(verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
 def _fail(msg: str, code: int = 1) -> None:
     err.print(f"[bold red]fanstore-fuse:[/] {msg}", highlight=False)
     raise typer.Exit(code)
-
-
-def _progress(quiet: bool) -> Progress:
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=err,
-        disable=quiet or not err.is_terminal,
-        transient=True,
-    )
 
 
 @app.command()
@@ -83,7 +61,7 @@ def prep(
         opts = PrepOptions(partitions, codec, level, chunk_mib << 20, list(broadcast), workers,
                            mode=parse_mode(mode), group=group, frame_size=frame_kib << 10,
                            dictionary=dictionary)
-        with _progress(quiet) as prog:
+        with progress(quiet) as prog:
             task = prog.add_task("prep", total=None)
 
             last = [0.0]
@@ -122,7 +100,7 @@ def verify(
         rep = do_verify(dest, workers=workers)
     except (FanstoreError, OSError) as e:
         _fail(f"manifest: {e}")
-    _warn_widened(dest)
+    warn_widened(dest)
     if json_out:
         print(json.dumps({"ok": rep.ok, "entries": rep.entries, "blobs": rep.blobs,
                           "bytes": rep.bytes, "problems": rep.problems}))
@@ -137,6 +115,7 @@ def verify(
 
 @app.command()
 def mount(
+    ctx: typer.Context,
     dest: str = typer.Argument(..., help="a prepped directory"),
     mountpoint: str = typer.Argument(..., help="where to mount; may contain {rank}"),
     local: str | None = typer.Option(None, "--local", help="node-local dir; may contain {rank}"),
@@ -179,8 +158,6 @@ def mount(
     With --ranks N (or inside a SLURM job) one daemon per rank is started with mpiexec (srun);
     MOUNTPOINT and --local may then contain {rank}.
     """
-    if not mpi and ready_fd is None:  # once, by the command the user ran
-        _warn_widened(dest)
     if cache_size is not None:
         from ._settings import parse_cache_size
 
@@ -189,6 +166,11 @@ def mount(
         except FanstoreError as e:
             _fail(str(e))
     multi = not mpi and (ranks is not None or bool(join) or bool(os.environ.get("SLURM_JOB_ID")))
+    if not mpi and ready_fd is None:  # once, by the command the user ran
+        if multi or not foreground:  # while the daemons start (it reads 3 manifest columns)
+            ctx.call_on_close(warn_widened_meanwhile(dest))
+        else:
+            warn_widened(dest)
     if multi or not foreground:
         # The daemon(s) run this same command in the foreground, with the same options.
         argv = ["mount", dest, mountpoint, "--foreground", *_write_args(write_quota, read_only)]
@@ -243,14 +225,6 @@ def mount(
         join_timeout=join_timeout, stage_out=stage_out, cache_size=cache_size,
     )
     raise typer.Exit(serve(cfg))
-
-
-def _warn_widened(dest: str) -> None:
-    from ._perms import dest_warning
-
-    msg = dest_warning(dest)
-    if msg:
-        err.print(f"[yellow]fanstore-fuse: warning:[/] {msg}", highlight=False)
 
 
 def _parse_size(text: str | None) -> int | None:
@@ -374,6 +348,7 @@ def status(
     if json_out:
         print(json.dumps(data, indent=2))
         return
+    from rich.console import Console
     from rich.table import Table
 
     cols = [("rank", "rank"), ("host", "host"), ("blobs held", "blobs_held"), ("bytes held", "bytes_held"),
