@@ -131,6 +131,17 @@ class Manifest:
     def n_entries(self) -> int:
         return len(self.entries["parent"])
 
+    def drop_pages(self, step: int = 64 << 20) -> None:
+        """Unmap the pages of the mapped manifest this process touched (`MADV_DONTNEED`, in
+        `step`-byte calls): they stay in the page cache and the next touch is a minor fault,
+        so a walk over every entry does not keep the whole manifest resident. No-op for a
+        manifest built in memory."""
+        mm = self._keep
+        if not isinstance(mm, mmap.mmap):
+            return
+        for a in range(0, len(mm), step):
+            mm.madvise(mmap.MADV_DONTNEED, a, min(step, len(mm) - a))
+
     @property
     def n_blobs(self) -> int:
         return len(self.blobs["part"])
@@ -305,8 +316,8 @@ def header_digest(m: Manifest) -> int:
 
 
 def _finished(m: Manifest, drop: bool) -> None:
-    if drop and isinstance(m._keep, mmap.mmap):
-        m._keep.madvise(mmap.MADV_DONTNEED)  # validation touched every page: let them go again
+    if drop:
+        m.drop_pages()  # validation touched every page: let them go again
     trim_heap()
 
 

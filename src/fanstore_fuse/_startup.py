@@ -221,9 +221,8 @@ class MappedPages:
     pages, in a thread, 64 MiB per call, once it grew more than `budget` above the level at
     ready (with fault-around, 3 s of random lookups map ~100 MB: a 1 s period was too slow)."""
 
-    STEP = 64 << 20
-
     def __init__(self, manifest: Manifest, budget: int = 8 << 20, period: float = 0.25):
+        self.manifest = manifest
         self.mm: mmap.mmap | None = manifest._keep if isinstance(manifest._keep, mmap.mmap) else None
         self.budget, self.period = budget, period
         self.base = 0
@@ -233,8 +232,7 @@ class MappedPages:
         if self.mm is None:
             return
         with contextlib.suppress(ValueError, OSError):  # closed at unmount
-            for a in range(0, len(self.mm), self.STEP):
-                self.mm.madvise(mmap.MADV_DONTNEED, a, min(self.STEP, len(self.mm) - a))
+            self.manifest.drop_pages()
         self.drops += 1
 
     def ready(self) -> None:
