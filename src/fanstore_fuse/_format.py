@@ -428,6 +428,8 @@ def _parse(buf: memoryview, mm: mmap.mmap | None, validate: bool = True) -> Mani
         raise
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
         raise FormatError(f"manifest is malformed: {type(e).__name__}: {e}") from None
+    if mm is not None:
+        m._keep = mm  # before validation, so its passes can unmap the pages they touched
     if validate:
         validate_manifest(m)
     else:

@@ -48,6 +48,10 @@ def _col(buf: Any, typecode: str, n: int, what: str) -> np.ndarray:
 # (part, parts): this validation checks the part-th of `parts` contiguous runs of every loop's
 # chunks (`validate(m, part, parts)`: the ranks of a mount share the work).
 _SHARE: ContextVar[tuple[int, int]] = ContextVar("validate_share", default=(0, 1))
+# The manifest being validated: the loops unmap the mapped pages they touched every DROP_CHUNKS
+# chunks (the pages stay in the page cache), so the process holds a bounded part of the file.
+_PAGES: ContextVar[Manifest | None] = ContextVar("validate_pages", default=None)
+DROP_CHUNKS = 4
 
 
 def _mine(lo: int, hi: int) -> range:
@@ -58,7 +62,10 @@ def _mine(lo: int, hi: int) -> range:
 
 
 def _chunks(lo: int, hi: int) -> Iterator[tuple[int, int]]:
-    for c in _mine(lo, hi):
+    m = _PAGES.get()
+    for k, c in enumerate(_mine(lo, hi)):
+        if m is not None and k % DROP_CHUNKS == DROP_CHUNKS - 1:
+            m.drop_pages()
         a = lo + c * CHUNK
         yield a, min(a + CHUNK, hi)
 
@@ -83,11 +90,12 @@ def validate(m: Manifest, part: int = 0, parts: int = 1) -> int:
     """Check every rule, or with `parts` > 1 the global ones and the `part`-th share of every
     per-item loop. Returns the number of children the share's directories list: the shares'
     sum must be `check_children`ed (with one part it is checked here)."""
-    token = _SHARE.set((part, parts))
+    token, pages = _SHARE.set((part, parts)), _PAGES.set(m)
     try:
         children = _validate(m)
     finally:
         _SHARE.reset(token)
+        _PAGES.reset(pages)
     if parts == 1:
         check_children(children, m.n_entries)
     return children
@@ -109,10 +117,17 @@ def _validate(m: Manifest) -> int:
     chunk = check_partitions(m)
     _root_and_kinds(e, n)
     children = _tree(e, n)
+    # Each pass below walks whole columns of the mapping; unmapping the pages a pass touched
+    # (they stay in the page cache) keeps this process's resident share to about one pass.
+    m.drop_pages()
     _names(off, names, n)
+    m.drop_pages()
     _sorted(e["parent"], off, names, n)
+    m.drop_pages()
     _blobs(m, b, chunk, nb)
+    m.drop_pages()
     _files(e, b["raw"], n, nb)
+    m.drop_pages()
     _links(e, len(links), n)
     for a, z in _chunks(0, len(links)):
         if _first(links[a:z] == 0) is not None:
