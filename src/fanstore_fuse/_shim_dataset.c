@@ -133,3 +133,12 @@ PyObject *fanstore_py_drop_dataset(PyObject *self, PyObject *unused) {
     release_held();
     Py_RETURN_NONE;
 }
+
+int fanstore_dataset_serve(unsigned feature, const char *who) {
+    if (fanstore_ds.n == 0) {
+        PyErr_Format(PyExc_ValueError, "%s: no dataset held (hold_dataset first)", who);
+        return 0;
+    }
+    fanstore_ds.serving |= feature;
+    return 1;
+}

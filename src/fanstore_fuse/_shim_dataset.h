@@ -33,6 +33,10 @@ static inline int fanstore_dataset_serves(unsigned feature, uint64_t ino) {
 /* Entry j's attributes, as Operations._attr gives them (every other field 0). */
 void fanstore_dataset_stat(uint64_t j, struct stat *st);
 
+/* Switch `feature` (FANSTORE_SERVE_*) on for the held dataset; 0 with a ValueError naming
+ * `who` when no dataset is held. */
+int fanstore_dataset_serve(unsigned feature, const char *who);
+
 #ifdef Py_PYTHON_H /* the module's functions, for _noflush.c's method table */
 PyObject *fanstore_py_hold_dataset(PyObject *self, PyObject *args);
 PyObject *fanstore_py_drop_dataset(PyObject *self, PyObject *unused);

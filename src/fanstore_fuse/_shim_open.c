@@ -209,13 +209,10 @@ PyObject *fanstore_fast_open(PyObject *self, PyObject *args) {
     double timeout;
     if (!PyArg_ParseTuple(args, "ld", &linger, &timeout))
         return NULL;
-    if (fanstore_ds.n == 0) {
-        PyErr_SetString(PyExc_ValueError, "fast_open: no dataset held (hold_dataset first)");
-        return NULL;
-    }
     attr_timeout = timeout;
     linger_us = linger;
-    fanstore_ds.serving |= FANSTORE_SERVE_FILES;
+    if (!fanstore_dataset_serve(FANSTORE_SERVE_FILES, "fast_open"))
+        return NULL;
     Py_RETURN_NONE;
 }
 

@@ -278,12 +278,9 @@ PyObject *fanstore_py_serve_dataset(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_OSError, "the FUSE table of operations was not patched");
         return NULL;
     }
-    if (fanstore_ds.n == 0) {
-        PyErr_SetString(PyExc_ValueError, "serve_dataset: no dataset held (hold_dataset first)");
-        return NULL;
-    }
     entry_timeout = timeout;
     plus_max = most;
-    fanstore_ds.serving |= FANSTORE_SERVE_NAMES;
+    if (!fanstore_dataset_serve(FANSTORE_SERVE_NAMES, "serve_dataset"))
+        return NULL;
     Py_RETURN_NONE;
 }
