@@ -221,7 +221,7 @@ def test_many_requests_in_flight(tmp_path, mount_factory):
     The holder (rank 1) is stopped while the readers start, so every remote read stays open
     until it continues: the peak then shows whether rank 0 sends a request without waiting for
     the earlier answers (FanStore asked one at a time), not whether a loaded machine let the
-    readers ask faster than rank 1 answered (a free-running pass peaked at 6 under load 6)."""
+    readers ask faster than rank 1 answered (a free-running pass peaked at 6 beside two CPU hogs)."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
