@@ -26,19 +26,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ._util import (
-    REPO,
-    Mount,
-    log,
-    pids_with_arg,
-    register,
-    rm_rf,
-    run_cmd,
-    teardown,
-    teardown_all,
-    venv_tool,
-    wait_mounted,
-)
+from . import _util
+from ._util import REPO, Mount, log, register, run_cmd, teardown, teardown_all, wait_mounted
 from ._workload import read_rate
 from .cost import Fan, cpu_seconds, prep_tree
 
@@ -89,13 +78,13 @@ class Ratar:
     """ratarmount over a tar of the tree, index built beforehand, in the foreground as our child."""
 
     def __init__(self, work: Path, src: Path, tag: str):
-        exe = venv_tool("ratarmount")
+        exe = _util.venv_tool("ratarmount")
         if exe is None:
             raise SystemExit("ratarmount not installed (pip install -e '.[bench]')")
         tar = work / "data.tar"
         index = work / "data.tar.index.sqlite"
         if not tar.exists() or not index.exists():
-            rm_rf(index)
+            _util.rm_rf(index)
             run_cmd(["tar", "-cf", str(tar), "-C", str(src), "."], timeout=1800)
             run_cmd([exe, "--no-mount", str(tar)], timeout=1800)
         self.mp = work / f"mnt-{tag}"
@@ -108,7 +97,7 @@ class Ratar:
         self.root = str(self.mp)
 
     def pids(self) -> list[int]:
-        return [self.proc.pid] + [p for p in pids_with_arg(str(self.mp)) if p != self.proc.pid]
+        return [self.proc.pid] + [p for p in _util.pids_with_arg(str(self.mp)) if p != self.proc.pid]
 
     def close(self) -> None:
         teardown(self.m)
