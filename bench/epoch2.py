@@ -40,7 +40,7 @@ def shuffled(rels: list[str], seed: int) -> list[str]:
 
 
 def disk_cache(fan: Fan) -> dict:
-    """Rank 0's disk-cache counters (`status`)."""
+    """Rank 0's disk-cache counters (`status`; `hits` includes `c_hits`, the C shim's)."""
     st = json.loads(os.getxattr(fan.mps[0], "user.fanstore.status"))
     return st["ranks"][0].get("disk_cache", {})
 
@@ -148,8 +148,9 @@ def print_report(res: dict) -> None:
               for k in ("1rank", "2ranks")) for name in ("held", "cached")))
     c0, c1 = res["cache_after_epoch1"], res["cache_after"]
     print(f"  rank 0 disk cache after epoch 1: {c0}")
-    print(f"  epoch-2 passes: {c1.get('hits', 0) - c0.get('hits', 0):,} hits, "
-          f"{c1.get('misses', 0) - c0.get('misses', 0):,} misses")
+    c_hits = c1.get("c_hits", 0) - c0.get("c_hits", 0)
+    print(f"  epoch-2 passes: {c1.get('hits', 0) - c0.get('hits', 0):,} hits "
+          f"({c_hits:,} answered in C), {c1.get('misses', 0) - c0.get('misses', 0):,} misses")
     lo, e2 = res["local_1rank"], res["epoch2_2ranks"]
     of_medians = e2["files_per_s"] / lo["files_per_s"]
     # the verdict: the median of the paired, back-to-back rounds (load drifts between rounds)

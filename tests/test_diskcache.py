@@ -11,6 +11,7 @@ import subprocess
 import tracemalloc
 from pathlib import Path
 
+import numpy as np
 import pytest
 import trio
 from _harness import build_tree, prep_cli, run_cli, snapshot, status_ranks
@@ -22,6 +23,8 @@ from fanstore_fuse._diskcache import (
     DATA_START,
     ENTRY_HEADER,
     DiskCache,
+    _c_shim,
+    c_counts,
     read_segment_header,
     resolve_limit,
     segment_header,
@@ -200,6 +203,115 @@ def test_corrupt_entry_is_dropped_not_returned(tmp_path):
         cache.close()
 
 
+def _open_segment_fds(d: Path) -> int:
+    """This process's fds on segment files of `d` (unlinked ones included)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith(str(d / "seg-"))
+    return n
+
+
+needs_c = pytest.mark.skipif(_c_shim() is None, reason="the _noflush shim was not built (no cc)")
+
+
+@needs_c
+def test_c_reads_verify_follow_eviction_and_leave_bad_entries_to_python(tmp_path):
+    shim = _c_shim()
+    blobs = _blobs(40, size=1000)
+    d = tmp_path / "cache"
+    sizes = np.array([len(b) for b in blobs], dtype=np.uint32)
+    cache = DiskCache(str(d), 3 * (4 * 1000 + DATA_START), sizes, segment_bytes=3500)
+    hits0, bytes0, falls0 = shim.cache_counts()
+    try:
+        assert cache.serve_in_c()
+        assert shim.cache_read(0) == 0  # not cached: the next path decides
+        _fill(cache, blobs, range(8))
+        assert [shim.cache_read(i) for i in range(8)] == blobs[:8]
+        assert shim.cache_read(3, 100, 300) == blobs[3][100:300]
+        assert shim.cache_read(3, 100, 1 << 40) == blobs[3][100:]  # clipped at the blob's end
+        assert shim.cache_read(3, 0, 50, True) == blobs[3][:50]  # just written: page cache
+        for seg in _segments(d):  # written back first: dirty pages stay cached
+            fd = os.open(seg, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        _drop_page_cache(_segments(d))
+        assert shim.cache_read(4, 0, 50, True) == -2  # nowait: the disk is needed
+        assert shim.cache_read(4, 0, 50) == blobs[4][:50]
+        assert shim.cache_read(8) == 0
+        hits, nbytes, falls = shim.cache_counts()
+        assert hits - hits0 == 12 and falls == falls0
+        assert nbytes - bytes0 == sum(map(len, blobs[:8])) + 3 * len(blobs[3]) + len(blobs[4])
+        s = cache.status()
+        assert s["hits"] == s["c_hits"] == 12  # the shim's hits count as the cache's
+        assert _open_segment_fds(d) >= 2  # C's own, beside Python's
+        # a damaged entry: C refuses it (-1), Python drops it, then it is simply not cached
+        seg = _segments(d)[-1]
+        slot = int(cache._loc[7]) & ((1 << 40) - 1)
+        _damage(seg, [slot + ENTRY_HEADER + 3])
+        assert shim.cache_read(7) == -1
+        assert cache.read(7) is None and cache.status()["corrupt"] == 1
+        assert shim.cache_read(7) == 0
+        # FIFO eviction: C closes its fds of evicted segments and refuses their stale slots
+        _fill(cache, blobs, range(8, 40))
+        assert cache.status()["evictions"] > 0
+        live = {int(x) for x in cache._segs}
+        stale = [i for i in range(40) if cache._loc[i] and int(cache._loc[i]) >> 40 not in live]
+        assert stale and all(shim.cache_read(i) == -1 for i in stale)
+        assert all(cache.read(i) is None for i in stale)  # Python clears the slots
+        assert all(shim.cache_read(i) == 0 for i in stale)
+        newest = max(live)
+        present = [i for i in range(40) if cache.has(i) and int(cache._loc[i]) >> 40 != newest]
+        assert present and [shim.cache_read(i) for i in present] == [blobs[i] for i in present]
+        assert _open_segment_fds(d) <= 2 * len(_segments(d))  # none left on unlinked files
+        # a segment file that vanished before C opened it: C falls back, never guesses
+        os.unlink(d / f"seg-{newest:012d}.fsc")
+        in_newest = [i for i in range(40) if cache.has(i) and int(cache._loc[i]) >> 40 == newest]
+        assert in_newest and all(shim.cache_read(i) == -1 for i in in_newest)
+        _, _, falls = shim.cache_counts()
+        assert falls - falls0 == 1 + len(stale) + len(in_newest)
+    finally:
+        cache.close()
+    assert _open_segment_fds(d) == 0  # drop_cache closed C's fds
+    assert shim.cache_read(0) == 0  # released: every read goes on
+
+
+@needs_c
+def test_c_reads_of_a_new_cache_never_use_the_old_ones_fds(tmp_path):
+    """Segment numbers restart at 1 in a new cache: its C reads open its own files."""
+    shim = _c_shim()
+    a, b = _blobs(4, seed=1), _blobs(4, seed=2)
+    sizes = np.array([len(x) for x in a], dtype=np.uint32)
+    b = [bytes(len(x)) for x in a]  # same lengths, other bytes
+    first = DiskCache(str(tmp_path / "a"), 1 << 20, sizes)
+    second = DiskCache(str(tmp_path / "b"), 1 << 20, sizes)
+    try:
+        assert first.serve_in_c()
+        _fill(first, a, range(4))
+        assert shim.cache_read(2) == a[2]
+        assert second.serve_in_c()
+        _fill(second, b, range(4))
+        assert [shim.cache_read(i) for i in range(4)] == b
+        first.close()  # not the cache the shim reads: changes nothing
+        assert shim.cache_read(1) == b[1]
+    finally:
+        first.close()
+        second.close()
+    assert _open_segment_fds(tmp_path / "a") == _open_segment_fds(tmp_path / "b") == 0
+
+
+def test_cache_c_knob_and_no_c_for_non_buffer_sizes(tmp_path):
+    assert Settings().cache_c == 1
+    assert Settings.from_env({"FANSTORE_CACHE_C": "0"}).cache_c == 0
+    blobs = _blobs(3)
+    cache = _cache(tmp_path / "c", blobs, 1 << 20)  # sizes a list: Python reads only
+    try:
+        assert cache.serve_in_c() is False or _c_shim() is None
+    finally:
+        cache.close()
+    assert set(c_counts()) == {"c_cache_hits", "c_cache_bytes", "c_cache_fallbacks"}
+
+
 @pytest.fixture
 def small_dest(tmp_path) -> Path:
     src = tmp_path / "src"
@@ -344,10 +456,17 @@ def _read_all(mp: str, rels: list[bytes]) -> dict[bytes, bytes]:
     return out
 
 
+WHOLE_MAX = 512 << 10  # _shim_read.c: blobs the shim reads whole for a READ
+
+
 @pytest.mark.mount
 @pytest.mark.mpi
 @pytest.mark.timeout(240)
-def test_two_ranks_second_pass_from_the_disk_cache(tmp_path, mount_factory):
+@pytest.mark.parametrize("cache_c", ["1", "0"])
+def test_two_ranks_second_pass_from_the_disk_cache(tmp_path, mount_factory, cache_c):
+    """Every file read three times through rank 0 and compared with the source: the second pass
+    from the disk cache (in C unless FANSTORE_CACHE_C=0), the third after damaging the cache's
+    segment files (the shim hands what fails its check to Python, which refetches)."""
     src = build_tree(tmp_path / "src")
     dest = prep_cli(src, tmp_path / "dest", "--chunk-mib", "1", "-p", "3")
     rels = sorted(p for p, meta in snapshot(src, contents=False)[0].items() if meta.kind == "-")
@@ -355,27 +474,40 @@ def test_two_ranks_second_pass_from_the_disk_cache(tmp_path, mount_factory):
     # A 1-byte blob cache in memory: every read below reaches the blob source.
     m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=2,
                       local=str(tmp_path / "local" / "{rank}"), extra_args=["--cache-size", "64M"],
-                      env={"FANSTORE_CACHE_BYTES": "1"})
+                      env={"FANSTORE_CACHE_BYTES": "1", "FANSTORE_CACHE_C": cache_c})
     mp = m.mountpoints[0]
     man = read_manifest(dest / MANIFEST_NAME)
     pl = Placement(2, 1)
-    remote = sum(1 for b in range(man.n_blobs) if not pl.holds(0, b))
-    assert remote > 0
+    remote = [b for b in range(man.n_blobs) if not pl.holds(0, b)]
+    assert remote
+    small = [b for b in remote if man.blobs["raw"][b] <= WHOLE_MAX]  # read whole in C
+    assert small
 
     def rank0() -> dict:
         return status_ranks(m.status())[0]
 
+    def hits(st: dict) -> tuple[int, int]:  # (Python's, C's)
+        c = st["disk_cache"]["c_hits"]
+        assert c == st["fuse_shim"].get("c_cache_hits", 0)  # one cache in the daemon
+        return st["disk_cache"]["hits"] - c, c
+
     assert _read_all(mp, rels) == want
     first = rank0()
-    assert first["stats"]["remote_reads"] >= remote
-    assert first["disk_cache"]["misses"] >= remote
+    assert first["stats"]["remote_reads"] >= len(remote)
+    # (misses: only what reached Python; C remote READs, where merged, bypass it)
     paths = [os.path.join(os.fsencode(mp), r) for r in rels]
     _drop_page_cache(paths)
     assert _read_all(mp, rels) == want
     second = rank0()
     assert second["stats"]["remote_reads"] == first["stats"]["remote_reads"]  # nothing fetched
-    assert second["disk_cache"]["hits"] - first["disk_cache"]["hits"] >= remote
-    assert second["disk_cache"]["entries"] == remote
+    assert second["disk_cache"]["entries"] == len(remote)
+    py_hits, c_hits = (b - a for a, b in zip(hits(first), hits(second)))
+    assert py_hits + c_hits >= len(remote)
+    if cache_c == "1":  # the shim read every small cached blob itself
+        assert c_hits >= len(small)
+        assert py_hits <= (len(remote) - len(small)) * 8  # big ones: Python, per 128 KiB READ
+    else:
+        assert c_hits == 0 and py_hits >= len(remote)
     # Damage rank 0's cache files: the next pass still reads exact bytes, fetching again.
     segs = sorted((tmp_path / "local" / "0" / "cache").glob("seg-*.fsc"))
     assert segs
@@ -386,6 +518,8 @@ def test_two_ranks_second_pass_from_the_disk_cache(tmp_path, mount_factory):
     third = rank0()
     assert third["disk_cache"]["corrupt"] > 0
     assert third["stats"]["remote_reads"] > second["stats"]["remote_reads"]
+    if cache_c == "1":
+        assert third["fuse_shim"]["c_cache_fallbacks"] > second["fuse_shim"]["c_cache_fallbacks"]
     assert "disk cache: blob" in m.log_text()
     m.umount()
     assert not (tmp_path / "local" / "0" / "cache").exists()

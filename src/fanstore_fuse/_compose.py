@@ -113,7 +113,10 @@ def open_disk_cache(manifest: Manifest, local_dir: str, settings: Settings) -> D
         return None
     b = manifest.blobs
     log.info("disk cache of remote blobs: %s, up to %d bytes", directory, limit)
-    return DiskCache(directory, limit, b["raw"])
+    cache = DiskCache(directory, limit, b["raw"])
+    if settings.cache_c:  # the shim's READ path reads cached blobs itself (FANSTORE_CACHE_C)
+        cache.serve_in_c()
+    return cache
 
 
 def open_transport(comm: Any, table: HandlerTable, settings: Settings) -> Transport:

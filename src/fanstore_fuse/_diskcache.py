@@ -21,6 +21,11 @@ long as its daemon; `umount` removes it with the local dir.
   is done, so an fd is never reused under a reader.
 - **Eviction** is FIFO by segment: when the cache is over its limit the oldest segment file
   goes, with every entry in it (an epoch reads everything once, so age is as good as recency).
+- **C reads** (`serve_in_c`, `FANSTORE_CACHE_C`): the `_noflush` shim's READ path reads and
+  verifies entries itself (`_shim_cache.c`, its own fds opened by segment name) from the same
+  index; evictions are passed on (`cache_evicted`) so it closes their fds. It only reads the
+  index; anything it cannot verify comes here (`read` drops it, the caller refetches). Its hits
+  are counted by the shim (`c_counts`) and included in `status()`'s `hits` (`c_hits` of them).
 - **Disk full / I/O errors** on a write never fail a read: ENOSPC or EDQUOT shrinks the limit to
   what the cache holds (logged once; off when that is under one segment), any other error turns
   the cache off. The reader already has its bytes.
@@ -37,10 +42,11 @@ import queue
 import struct
 import threading
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 
+from . import _fastclose
 from ._errors import FanstoreError
 from ._format import checksum
 from ._fsio import CachedReads, untouched_zeros
@@ -95,6 +101,23 @@ def segment_bytes_for(limit: int) -> int:
     return max(1, min(limit, max(1 << 20, min(256 << 20, limit // 16))))
 
 
+def _c_shim() -> Any:
+    """The `_noflush` shim when it can read the cache in C, else None."""
+    shim = _fastclose._shim
+    return shim if shim is not None and hasattr(shim, "hold_cache") else None
+
+
+_c_holder: list[DiskCache] = []  # the one cache the shim reads, if any
+
+
+def c_counts() -> dict[str, int]:
+    """Reads of disk-cache entries answered by the shim in this process (`fuse_shim`)."""
+    shim = _c_shim()
+    hits, nbytes, fallbacks = shim.cache_counts() if shim is not None else (0, 0, 0)
+    return {"c_cache_hits": int(hits), "c_cache_bytes": int(nbytes),
+            "c_cache_fallbacks": int(fallbacks)}
+
+
 def _clear(directory: str) -> None:
     """Make the cache directory (0700), removing segments a killed daemon may have left."""
     os.makedirs(directory, mode=0o700, exist_ok=True)
@@ -147,6 +170,8 @@ class DiskCache:
         self._idle = threading.Event()
         self._idle.set()
         self._thread: threading.Thread | None = None
+        self._c: Any = None  # the shim while it reads this cache (serve_in_c)
+        self._c_base = self._c_hits = 0  # the shim's hit count then; its hits here after
         if not self.disabled:
             try:
                 _clear(directory)
@@ -157,6 +182,24 @@ class DiskCache:
             self._thread = threading.Thread(target=self._writer, name="fanstore-diskcache",
                                             daemon=True)
             self._thread.start()
+
+    def serve_in_c(self) -> bool:
+        """Let the shim's READ path read this cache's entries in C (module docstring); False
+        when the shim is absent, the cache off, or `sizes` not a uint32 buffer (one log line)."""
+        shim = _c_shim()
+        if shim is None or self.disabled:
+            return False
+        try:
+            shim.hold_cache(self._loc, self._sizes, self.dir)
+        except (ValueError, TypeError, BufferError, OSError) as err:
+            log.warning("disk cache read through Python: %s", err)
+            return False
+        for previous in _c_holder:  # the shim reads one cache: the previous one stops telling it
+            previous._stop_c()
+        self._c_base = int(shim.cache_counts()[0])
+        self._c = shim
+        _c_holder[:] = [self]
+        return True
 
     # ------------------------------------------------------------ reads
 
@@ -371,6 +414,9 @@ class DiskCache:
                 seg.doomed = True
                 if seg.pins == 0:
                     os.close(seg.fd)
+            shim = self._c
+            if shim is not None:  # before the unlink: C never opens it again
+                shim.cache_evicted(number)
             try:
                 os.unlink(seg.path)
             except OSError as e:
@@ -379,7 +425,11 @@ class DiskCache:
     # ------------------------------------------------------------ status, close
 
     def status(self) -> dict[str, int]:
-        return {"bytes": self.bytes, "entries": self.entries, "hits": self.hits,
+        """Counters; `hits` counts the shim's reads of this cache too (`c_hits` of them)."""
+        shim = self._c
+        c_hits = int(shim.cache_counts()[0]) - self._c_base if shim is not None else self._c_hits
+        return {"bytes": self.bytes, "entries": self.entries, "hits": self.hits + c_hits,
+                "c_hits": c_hits,
                 "misses": self.misses, "evictions": self.evictions, "corrupt": self.corrupt,
                 "skipped": self.skipped, "written": self.written, "limit": self.limit,
                 "disabled": int(self.disabled)}
@@ -392,3 +442,14 @@ class DiskCache:
             self._thread.join(timeout=10)
             self._thread = None
         self._evict(-1)
+        if self._c is not None:  # the cache the shim reads
+            self._c.drop_cache()
+            _c_holder.clear()
+        self._stop_c()
+
+    def _stop_c(self) -> None:
+        """The shim no longer reads this cache: keep the count of its hits here."""
+        shim = self._c
+        if shim is not None:
+            self._c_hits = int(shim.cache_counts()[0]) - self._c_base
+        self._c = None

@@ -21,7 +21,7 @@ import logging
 
 import trio
 
-from . import _fastclose, _fastread
+from . import _diskcache, _fastclose, _fastread
 from ._namespace import Namespace
 
 log = logging.getLogger("fanstore_fuse.fastopen")
@@ -74,4 +74,5 @@ def counts() -> dict[str, int]:
             "c_lingered": int(lingered), "c_trio_returns": int(returns),
             "c_trio_busy": int(busy),
             "noflush_opens": _fastclose.noflush_opens(),
-            "cached_listings": _fastclose.cached_listings(), **_fastread.counts()}
+            "cached_listings": _fastclose.cached_listings(), **_fastread.counts(),
+            **_diskcache.c_counts()}

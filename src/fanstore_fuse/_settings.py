@@ -19,6 +19,7 @@
 | `FANSTORE_MPI_DOORBELL` | 1 | a UDP doorbell rung with each frame sent wakes the peer (0: poll only) |
 | `FANSTORE_MPI_INLINE` | 1 | serve blob requests on the MPI thread (0: as trio tasks, the old path) |
 | `FANSTORE_CACHE_SIZE` | 50% | disk cache of remote blobs (`--cache-size`): `10G`, `50%` of free, `0` off |
+| `FANSTORE_CACHE_C` | 1 | the C shim's READ path reads blobs of the disk cache itself (0: through Python) |
 
 The daemon builds one `Settings` (`Settings.from_env()`) and hands it to what it composes;
 library code never reads the environment for these. A bad value is a one-line error.
@@ -50,6 +51,7 @@ _ENV = {
     "mpi_backoff": "FANSTORE_MPI_BACKOFF",
     "mpi_doorbell": "FANSTORE_MPI_DOORBELL",
     "cache_size": "FANSTORE_CACHE_SIZE",
+    "cache_c": "FANSTORE_CACHE_C",
 }
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -100,6 +102,7 @@ class Settings:
     mpi_backoff: float = 2.0
     mpi_doorbell: int = 1
     cache_size: str = "50%"
+    cache_c: int = 1
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

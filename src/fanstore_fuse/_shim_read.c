@@ -42,6 +42,7 @@
 #include <time.h>
 
 #include "_shim_blobs.h"
+#include "_shim_cache.h"
 #include "_shim_dataset.h"
 #include "_shim_ops.h"
 
@@ -76,6 +77,8 @@ static int (*session_fd)(struct fuse_session *);
 
 /* Whether blob b can be read here for a READ. */
 static int blob_ok(uint64_t b) {
+    if (!fanstore_blob_held(b)) /* held elsewhere: this rank's disk cache (_shim_cache.c) */
+        return fanstore_cache_ok(b, WHOLE_MAX);
     return fanstore_blob_held(b) && (fanstore_blobs.codec[b] == FANSTORE_CODEC_FRAMED ||
                                      fanstore_blobs.raw[b] <= WHOLE_MAX);
 }
@@ -128,7 +131,7 @@ static int serve(const struct job *jb, int nowait, struct worker *w) {
     int r;
     if (k0 == k1) {
         uint64_t base = k0 * chunk;
-        r = fanstore_blob_range(first + k0, jb->off - base, end - base, nowait, &w->s, &out);
+        r = fanstore_cache_blob_range(first + k0, jb->off - base, end - base, nowait, &w->s, &out);
         if (r == FANSTORE_BLOB_OK)
             reply_buf(jb->req, out, end - jb->off);
         return r;
@@ -145,7 +148,7 @@ static int serve(const struct job *jb, int nowait, struct worker *w) {
     for (uint64_t k = k0; k <= k1; k++) {
         uint64_t base = k * chunk, lo = jb->off > base ? jb->off : base;
         uint64_t hi = end < base + chunk ? end : base + chunk;
-        if ((r = fanstore_blob_range(first + k, lo - base, hi - base, nowait, &w->s, &out)) !=
+        if ((r = fanstore_cache_blob_range(first + k, lo - base, hi - base, nowait, &w->s, &out)) !=
             FANSTORE_BLOB_OK)
             return r;
         memcpy(w->cat + (lo - jb->off), out, hi - lo);

@@ -1,0 +1,326 @@
+/* The disk cache of remote blobs (_diskcache.py) read in C (issue 11, part 3).
+ *
+ * A rank keeps the blobs it fetched from other ranks in LOCAL/cache/seg-NNNNNNNNNNNN.fsc:
+ * append-only segment files of entries (the 8-byte little-endian xxh3, HASH_SEED, of the raw
+ * bytes, then the raw bytes) and a numpy uint64 index with one slot per dataset blob
+ * (segment << 40 | offset; 0 = absent), whose length is the manifest's raw length. Python's
+ * writer thread publishes a slot only after the entry's pwritev returned, and never rewrites an
+ * entry, so a slot seen here points at bytes already written; the xxh3 catches anything else.
+ *
+ * hold_cache(index, raw, directory) hands over the index and the raw-length column (buffers
+ * held until drop_cache) and the cache directory. Segment files are opened here by name, O_RDONLY,
+ * on first use (openat beneath the directory, O_NOFOLLOW) and kept open. Eviction is FIFO by
+ * segment number: cache_evicted(number) says every segment up to `number` is gone, so their fds
+ * are closed (by the last reader of a pinned one) and a slot naming one is stale, left to Python.
+ *
+ * fanstore_cache_read never hands out unverified bytes: a short read, an xxh3 mismatch, a
+ * missing segment file or an evicted segment give FANSTORE_CACHE_FALLBACK and Python's
+ * CachingBlobSource reads the blob (dropping the entry and fetching it again). The index is
+ * only read here; Python alone changes it.
+ */
+#define _GNU_SOURCE
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/uio.h>
+#include <unistd.h>
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#include "_shim_blobs.h"
+#include "_shim_cache.h"
+
+#define HASH_SEED UINT64_C(0x46414E53) /* _format.HASH_SEED */
+#define OFF_BITS 40                    /* _diskcache._OFF_BITS */
+#define OFF_MASK ((UINT64_C(1) << OFF_BITS) - 1)
+#define ENTRY_HEADER 8
+#define SLOTS 4096 /* open segment fds, by number % SLOTS */
+
+struct seg {
+    uint64_t number; /* 0: free */
+    uint64_t gen;    /* the hold_cache it belongs to */
+    int fd;
+    int pins;
+};
+
+static struct {
+    pthread_mutex_t lock; /* everything below */
+    int on;
+    uint64_t n;            /* blobs */
+    const uint64_t *index; /* n slots */
+    const uint32_t *raw;   /* n raw lengths */
+    int dirfd;
+    uint64_t gone; /* segments 1..gone are evicted */
+    uint64_t gen;  /* bumped by every hold_cache and drop_cache */
+    struct seg segs[SLOTS];
+} cache = {PTHREAD_MUTEX_INITIALIZER, 0, 0, NULL, NULL, -1, 0, 1, {{0, 0, 0, 0}}};
+
+static Py_buffer index_buf, raw_buf; /* held while .obj != NULL (GIL) */
+static unsigned long long hits, hit_bytes, fallbacks;
+
+
+static void close_slot(struct seg *s) {
+    close(s->fd);
+    s->number = 0;
+    s->fd = -1;
+}
+
+/* Whether `s` holds an fd no reader may take any more (evicted, or of an earlier cache). */
+static int stale(const struct seg *s) { return s->gen != cache.gen || s->number <= cache.gone; }
+
+/* The pinned segment `number`, opened if need be; NULL when evicted or unopenable. Locked. */
+static struct seg *pin(uint64_t number) {
+    if (number <= cache.gone || cache.dirfd < 0)
+        return NULL;
+    struct seg *s = &cache.segs[number % SLOTS];
+    if (s->number != number || s->gen != cache.gen) {
+        if (s->number != 0) {
+            if (s->pins) /* another live segment in this slot, being read: let Python read */
+                return NULL;
+            close_slot(s);
+        }
+        char name[40];
+        snprintf(name, sizeof(name), "seg-%012llu.fsc", (unsigned long long)number);
+        int fd = openat(cache.dirfd, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+        if (fd < 0)
+            return NULL;
+        s->number = number;
+        s->gen = cache.gen;
+        s->fd = fd;
+        s->pins = 0;
+    }
+    s->pins++;
+    return s;
+}
+
+static void unpin(struct seg *s) {
+    pthread_mutex_lock(&cache.lock);
+    if (--s->pins == 0 && stale(s))
+        close_slot(s);
+    pthread_mutex_unlock(&cache.lock);
+}
+
+static inline uint64_t slot_of(uint64_t blob) {
+    return __atomic_load_n(&cache.index[blob], __ATOMIC_ACQUIRE);
+}
+
+int fanstore_cache_lookup(uint64_t blob, uint32_t *raw) {
+    int found = 0;
+    pthread_mutex_lock(&cache.lock);
+    if (cache.on && blob < cache.n && slot_of(blob)) {
+        *raw = cache.raw[blob];
+        found = 1;
+    }
+    pthread_mutex_unlock(&cache.lock);
+    return found;
+}
+
+int fanstore_cache_read(uint64_t blob, char *buf, size_t cap, uint32_t *raw, int nowait) {
+    pthread_mutex_lock(&cache.lock);
+    uint64_t loc = cache.on && blob < cache.n ? slot_of(blob) : 0;
+    if (!loc) {
+        pthread_mutex_unlock(&cache.lock);
+        return FANSTORE_CACHE_MISS;
+    }
+    uint32_t len = *raw = cache.raw[blob];
+    struct seg *s = len <= cap ? pin(loc >> OFF_BITS) : NULL;
+    pthread_mutex_unlock(&cache.lock);
+    if (s == NULL) {
+        __atomic_add_fetch(&fallbacks, 1, __ATOMIC_RELAXED);
+        return FANSTORE_CACHE_FALLBACK;
+    }
+    unsigned char digest[ENTRY_HEADER];
+    struct iovec iov[2] = {{digest, ENTRY_HEADER}, {buf, len}};
+    ssize_t got = preadv2(s->fd, iov, 2, (off_t)(loc & OFF_MASK), nowait ? RWF_NOWAIT : 0);
+    int again = got < 0 && (errno == EAGAIN || errno == EOPNOTSUPP); /* or no RWF_NOWAIT here */
+    unpin(s);
+    if (nowait && (again || (got > 0 && got < (ssize_t)len + ENTRY_HEADER)))
+        return FANSTORE_CACHE_AGAIN; /* (partly) not in the page cache: the disk is needed */
+    uint64_t want = 0;
+    for (int k = ENTRY_HEADER - 1; k >= 0; k--)
+        want = want << 8 | digest[k];
+    if (got != (ssize_t)len + ENTRY_HEADER || XXH3_64bits_withSeed(buf, len, HASH_SEED) != want) {
+        __atomic_add_fetch(&fallbacks, 1, __ATOMIC_RELAXED);
+        return FANSTORE_CACHE_FALLBACK;
+    }
+    __atomic_add_fetch(&hits, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&hit_bytes, len, __ATOMIC_RELAXED);
+    return FANSTORE_CACHE_HIT;
+}
+
+int fanstore_cache_range(uint64_t blob, uint64_t lo, uint64_t hi, int nowait, char **buf,
+                         size_t *cap, const char **out, size_t *n) {
+    uint32_t raw;
+    if (!fanstore_cache_lookup(blob, &raw))
+        return FANSTORE_CACHE_MISS;
+    if (*cap < raw || *buf == NULL) {
+        char *grown = realloc(*buf, raw ? raw : 1);
+        if (grown == NULL)
+            return FANSTORE_CACHE_FALLBACK;
+        *buf = grown;
+        *cap = raw ? raw : 1;
+    }
+    int r = fanstore_cache_read(blob, *buf, *cap, &raw, nowait);
+    if (r == FANSTORE_CACHE_HIT) {
+        hi = hi < raw ? hi : raw;
+        lo = lo < hi ? lo : hi;
+        *out = *buf + lo;
+        *n = (size_t)(hi - lo);
+    }
+    return r;
+}
+
+int fanstore_cache_ok(uint64_t blob, uint32_t whole_max) {
+    uint32_t raw;
+    return fanstore_cache_lookup(blob, &raw) && raw <= whole_max;
+}
+
+int fanstore_cache_blob_range(uint64_t blob, uint64_t lo, uint64_t hi, int nowait,
+                              struct fanstore_scratch *s, const char **out) {
+    if (fanstore_blob_held(blob))
+        return fanstore_blob_range(blob, lo, hi, nowait, s, out);
+    size_t n;
+    switch (fanstore_cache_range(blob, lo, hi, nowait, &s->raw, &s->raw_cap, out, &n)) {
+    case FANSTORE_CACHE_HIT:
+        return n == hi - lo ? FANSTORE_BLOB_OK : FANSTORE_BLOB_CORRUPT;
+    case FANSTORE_CACHE_AGAIN:
+        return FANSTORE_BLOB_AGAIN;
+    case FANSTORE_CACHE_MISS:
+        return FANSTORE_BLOB_NOT_HELD;
+    default:
+        return FANSTORE_BLOB_CORRUPT;
+    }
+}
+
+/* Every fd closed, reads off, buffers released. Under the GIL. */
+static void drop(void) {
+    pthread_mutex_lock(&cache.lock);
+    cache.on = 0;
+    cache.n = 0;
+    cache.index = NULL;
+    cache.raw = NULL;
+    cache.gen++; /* a pinned segment is closed by its reader (stale) */
+    for (int k = 0; k < SLOTS; k++)
+        if (cache.segs[k].number && !cache.segs[k].pins)
+            close_slot(&cache.segs[k]);
+    if (cache.dirfd >= 0)
+        close(cache.dirfd);
+    cache.dirfd = -1;
+    pthread_mutex_unlock(&cache.lock);
+    if (index_buf.obj != NULL)
+        PyBuffer_Release(&index_buf);
+    if (raw_buf.obj != NULL)
+        PyBuffer_Release(&raw_buf);
+}
+
+/* hold_cache(index, raw, directory): `index` a C-contiguous buffer of n native uint64 slots,
+ * `raw` one of n native uint32 lengths, `directory` the cache's (str or bytes path). */
+PyObject *fanstore_py_hold_cache(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *index, *raw, *path;
+    if (!PyArg_ParseTuple(args, "OOO&", &index, &raw, PyUnicode_FSConverter, &path))
+        return NULL;
+    Py_buffer ib, rb;
+    if (PyObject_GetBuffer(index, &ib, PyBUF_C_CONTIGUOUS) < 0) {
+        Py_DECREF(path);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(raw, &rb, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&ib);
+        Py_DECREF(path);
+        return NULL;
+    }
+    uint64_t n = (uint64_t)ib.len / 8;
+    const char *why = NULL;
+    if (ib.itemsize != 8 || rb.itemsize != 4 || (uint64_t)rb.len != n * 4)
+        why = "hold_cache: index must hold uint64 slots and raw as many uint32 lengths";
+    else if (((uintptr_t)ib.buf & 7) || ((uintptr_t)rb.buf & 3))
+        why = "hold_cache: misaligned buffers";
+    int dirfd = -1;
+    if (why == NULL) {
+        dirfd = open(PyBytes_AS_STRING(path), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        if (dirfd < 0) {
+            PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path);
+            why = "";
+        }
+    }
+    Py_DECREF(path);
+    if (why != NULL) {
+        if (*why)
+            PyErr_SetString(PyExc_ValueError, why);
+        PyBuffer_Release(&ib);
+        PyBuffer_Release(&rb);
+        return NULL;
+    }
+    drop();
+    index_buf = ib;
+    raw_buf = rb;
+    pthread_mutex_lock(&cache.lock);
+    cache.index = ib.buf;
+    cache.raw = rb.buf;
+    cache.n = n;
+    cache.dirfd = dirfd;
+    cache.gone = 0;
+    cache.on = 1;
+    pthread_mutex_unlock(&cache.lock);
+    Py_RETURN_NONE;
+}
+
+PyObject *fanstore_py_cache_evicted(PyObject *self, PyObject *arg) {
+    (void)self;
+    unsigned long long number = PyLong_AsUnsignedLongLong(arg);
+    if (number == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    pthread_mutex_lock(&cache.lock);
+    if (number > cache.gone) {
+        for (int k = 0; k < SLOTS; k++) { /* pinned ones are closed by their reader */
+            struct seg *s = &cache.segs[k];
+            if (s->number && s->number <= number && s->gen == cache.gen && !s->pins)
+                close_slot(s);
+        }
+        cache.gone = number;
+    }
+    pthread_mutex_unlock(&cache.lock);
+    Py_RETURN_NONE;
+}
+
+PyObject *fanstore_py_drop_cache(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    drop();
+    Py_RETURN_NONE;
+}
+
+PyObject *fanstore_py_cache_counts(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return Py_BuildValue("(KKK)", __atomic_load_n(&hits, __ATOMIC_RELAXED),
+                         __atomic_load_n(&hit_bytes, __ATOMIC_RELAXED),
+                         __atomic_load_n(&fallbacks, __ATOMIC_RELAXED));
+}
+
+/* cache_read(blob, lo=0, hi=2**64-1, nowait=False): what the READ path gets, for tests:
+ * the bytes, or FANSTORE_CACHE_MISS / _FALLBACK / _AGAIN. */
+PyObject *fanstore_py_cache_read(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long blob, lo = 0, hi = UINT64_MAX;
+    int nowait = 0;
+    if (!PyArg_ParseTuple(args, "K|KKp", &blob, &lo, &hi, &nowait))
+        return NULL;
+    char *buf = NULL;
+    size_t cap = 0, n = 0;
+    const char *out = NULL;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = fanstore_cache_range(blob, lo, hi, nowait, &buf, &cap, &out, &n);
+    Py_END_ALLOW_THREADS
+    PyObject *res = r == FANSTORE_CACHE_HIT ? PyBytes_FromStringAndSize(out, (Py_ssize_t)n)
+                                            : PyLong_FromLong(r);
+    free(buf);
+    return res;
+}
