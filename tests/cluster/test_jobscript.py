@@ -77,8 +77,11 @@ def test_second_epoch_reads_remote_blobs_from_each_nodes_disk_cache(slurm_cluste
     for ln in lines:
         fetched = int(ln.split("fetched from other nodes ")[1].split(";")[0])
         hits = int(ln.split("disk cache hits ")[1].split(";")[0])
+        mem = int(ln.split("blob cache hits ")[1].split(";")[0])
         cached = int(ln.split("cached blobs ")[1])
-        assert fetched == 0 and cached > 0 and hits >= cached, ln
+        # every cached blob read locally: from the disk cache (in C or Python), or the one or two
+        # large blobs the in-memory blob cache still kept from epoch 1
+        assert fetched == 0 and cached > 0 and hits + min(mem, 2) >= cached, ln
     _nothing_left(c, res.job_id)
 
 
