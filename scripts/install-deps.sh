@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the Debian packages fanstore-fuse needs, when missing and when we may (root).
-#   install-deps.sh           fuse3, libfuse3-dev, pkg-config, squashfs-tools, squashfuse (and fio
-#                             for bench/fio.py, as root)
+#   install-deps.sh           fuse3, libfuse3-dev, pkg-config, libzstd-dev, libxxhash-dev,
+#                             squashfs-tools, squashfuse (and fio for bench/fio.py, as root)
 #   install-deps.sh --slurm   also slurm-wlm and munge (the test cluster, scripts/minicluster/)
 # As root, `make install` asks for --slurm too, so that CI runs the `slurm` tests; as another
 # user a missing Slurm is not an error (those tests skip and say why).
@@ -9,6 +9,10 @@ set -euo pipefail
 need=()
 command -v fusermount3 >/dev/null 2>&1 || need+=(fuse3)
 pkg-config --exists fuse3 2>/dev/null || need+=(libfuse3-dev pkg-config)
+# The C shim's reads (src/fanstore_fuse/_shim_blobs.c): zstd and xxhash headers, else pip
+# builds no shim at all (it is optional) and every request goes through Python.
+[ -e /usr/include/zstd.h ] || need+=(libzstd-dev)
+[ -e /usr/include/xxhash.h ] || need+=(libxxhash-dev)
 command -v mksquashfs >/dev/null 2>&1 || need+=(squashfs-tools)
 command -v squashfuse >/dev/null 2>&1 || need+=(squashfuse)
 # fio: bench/fio.py only; installed when we may, never a reason to fail.

@@ -26,6 +26,7 @@
 #include <fuse_lowlevel.h>
 #include <string.h>
 
+#include "_shim_blobs.h"
 #include "_shim_dataset.h"
 #include "_shim_ops.h"
 #include "_shim_readdir.h"
@@ -154,6 +155,7 @@ static PyMethodDef methods[] = {
     {"fast_open", fanstore_fast_open, METH_VARARGS, "fast_open(linger_us, timeout): OPEN/RELEASE/GETATTR of the held dataset's files in C"},
     {"fast_counts", fanstore_fast_counts, METH_NOARGS, "fast_counts(): (opens, releases, getattrs, lingered) in C"},
     FANSTORE_READDIR_METHODS
+    FANSTORE_BLOBS_METHODS
     {"hold_dataset", fanstore_py_hold_dataset, METH_VARARGS, "hold_dataset((kind, mode, uid, gid, count, mtime_ns, size, first, name_off, names), n): hold the manifest's columns for the C answers"},
     {"drop_dataset", fanstore_py_drop_dataset, METH_NOARGS, "drop_dataset(): every C answer from the dataset off, the columns released"},
     {NULL, NULL, 0, NULL},

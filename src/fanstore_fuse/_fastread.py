@@ -1,0 +1,115 @@
+"""READ of dataset files answered in C, by the `_noflush` shim (`_shim_blobs.c`,
+`_shim_read.c`; issue 11).
+
+`hold_blobs(store)` hands the shim the manifest's blob columns, the zstd dictionary and this
+rank's local copies (a descriptor per partition present in the local dir, the `DenseMap` of a
+rank holding a share) once, before the session serves: the shim can then read, decode and
+verify any blob held here without Python. `enable` (before `pyfuse3.init`) and `start` (in the
+trio run, where the Python fallback gets its token) switch the READ patch on: a READ of a
+dataset file whose bytes are all held here is answered by the shim's threads; anything else
+(written files, blobs of other ranks, large non-framed blobs) goes to `Operations.read` as
+before. When C fails (checksum, short read, decode), it calls `_fallback`, which does the read
+the Python way on the trio thread (logging, counting, replicas, EIO) and C replies with that.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+import pyfuse3
+import trio
+
+from . import _fastclose
+from ._blobstore import BlobStore
+
+log = logging.getLogger("fanstore_fuse.fastread")
+
+
+def hold_blobs(store: BlobStore) -> None:
+    """Hand the blob columns and the local copies under `store` to the shim (raises what the
+    shim raises: ValueError, TypeError, BufferError, OSError); the shim must be loaded."""
+    shim = _fastclose._shim
+    assert shim is not None
+    m, b = store.m, store.m.blobs
+    cols = (b["part"], b["offset"], b["stored"], b["raw"], b["codec"], b["xxh3"])
+    fds: list[int] = []
+    try:
+        for p in m.partitions:
+            try:
+                fds.append(os.open(os.path.join(store.local_dir, p.name), os.O_RDONLY | os.O_CLOEXEC))
+            except OSError:
+                fds.append(-1)  # not here: its blobs go to Python (remote, or EIO there)
+        d = store.dense
+        flags = bytes(int(d is not None and i in d.parts) for i in range(len(m.partitions)))
+        ids = d.ids if d is not None else memoryview(b"").cast("Q")
+        offs = d.offs if d is not None else memoryview(b"").cast("Q")
+        chunk = int(m.options.get("chunk_size", 4 << 20))
+        shim.hold_blobs(cols, len(b["part"]), chunk, m.zdict, fds, flags, ids, offs)
+    finally:
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+
+
+class _Fallback:
+    """What the shim's threads call (GIL taken) when C cannot answer a READ it took: the same
+    read through `Operations.read` on the trio thread; bytes, or the errno it gave."""
+
+    def __init__(self, read, token: trio.lowlevel.TrioToken):
+        self.read = read
+        self.token = token
+        self.calls = 0
+
+    def __call__(self, fh: int, off: int, size: int) -> bytes | int:
+        self.calls += 1
+        try:
+            return trio.from_thread.run(self.read, fh, off, size, trio_token=self.token)
+        except pyfuse3.FUSEError as e:
+            return e.errno
+        except Exception:
+            log.exception("C read fallback of handle %d failed", fh)
+            return errno.EIO
+
+
+def enable(store: BlobStore, threads: int, inline_max: int) -> bool:
+    """Hold the blobs and patch READ (`threads` reader threads; reads of at most `inline_max`
+    stored bytes answered from the page cache inline). Before pyfuse3.init; serving starts at
+    `start`. False (one log line) without the shim."""
+    shim = _fastclose._shim
+    if shim is None or not hasattr(shim, "fast_read"):
+        log.info("dataset reads go through Python (%s)", _fastclose._why)
+        return False
+    try:
+        hold_blobs(store)
+        shim.fast_read(threads, inline_max)
+    except (ValueError, TypeError, BufferError, OSError) as err:
+        log.warning("dataset reads go through Python: %s", err)
+        return False
+    return True
+
+
+def start(read) -> bool:
+    """In the trio run: C answers READs from now on, `read` (Operations.read) as its fallback."""
+    shim = _fastclose._shim
+    if shim is None or not hasattr(shim, "read_start"):
+        return False
+    try:
+        shim.read_start(_Fallback(read, trio.lowlevel.current_trio_token()))
+    except (ValueError, OSError) as err:
+        log.warning("dataset reads go through Python: %s", err)
+        return False
+    log.info("dataset reads answered by the C shim")
+    return True
+
+
+def counts() -> dict[str, int]:
+    """READs the shim answered: `c_reads`, `c_read_bytes`, `c_read_inline` (from the page cache
+    on the FUSE thread), `c_read_fallbacks` (handed to Python after an error in C)."""
+    shim = _fastclose._shim
+    if shim is None or not hasattr(shim, "read_counts"):
+        return {}
+    reads, nbytes, inline, fallbacks = shim.read_counts()
+    return {"c_reads": int(reads), "c_read_bytes": int(nbytes), "c_read_inline": int(inline),
+            "c_read_fallbacks": int(fallbacks)}

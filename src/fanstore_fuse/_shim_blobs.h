@@ -1,0 +1,138 @@
+/* The manifest's blob columns and this rank's local copies of the partitions, held once for
+ * the shim's reads in C (_shim_blobs.c), and what can be done with one blob without Python:
+ * whether it is held here, pread of its stored bytes, decode + verify (codecs 0-3, xxh3 seeded
+ * as _format.checksum), and framed blobs (codec 3) read in part: the frame table checked
+ * against the manifest and kept, frames k0..k1 decoded and checked.
+ *
+ * Every function is thread-safe and needs no GIL: the columns are read-only once held, the
+ * frame-table cache has its own lock, each thread has its own zstd context. Python hands the
+ * columns over (hold_blobs) before the session serves and drops them (drop_blobs) only after
+ * it ended: no call may run across a drop.
+ *
+ * Outcomes are FANSTORE_BLOB_* (0 or negative). Nothing returned as OK was unchecked: a
+ * caller that gets anything else must not hand the bytes to a reader (the Python path then
+ * decides: log, replicas, EIO).
+ */
+#ifndef FANSTORE_SHIM_BLOBS_H
+#define FANSTORE_SHIM_BLOBS_H
+#include <stddef.h>
+#include <stdint.h>
+
+#define FANSTORE_CODEC_RAW 0       /* _format.CODEC_RAW */
+#define FANSTORE_CODEC_ZSTD 1      /* one zstd frame */
+#define FANSTORE_CODEC_ZSTD_DICT 2 /* one zstd frame with the manifest's zdict */
+#define FANSTORE_CODEC_FRAMED 3    /* frame table + frames (docs/format.md "Framed blobs") */
+#define FANSTORE_HASH_SEED UINT64_C(0x46414E53)
+#define FANSTORE_ZSTD_BIT (UINT32_C(1) << 31) /* in a frame table word: a zstd frame */
+
+enum {
+    FANSTORE_BLOB_OK = 0,
+    FANSTORE_BLOB_AGAIN = -1,    /* nowait: some bytes are not in the page cache */
+    FANSTORE_BLOB_NOT_HELD = -2, /* not in this rank's local copies (or no blobs held) */
+    FANSTORE_BLOB_IO = -3,       /* pread failed or came back short (truncated partition) */
+    FANSTORE_BLOB_CORRUPT = -4,  /* checksum mismatch, undecodable, bad frame table */
+    FANSTORE_BLOB_NOMEM = -5,
+};
+
+struct fanstore_blobs {
+    uint64_t n; /* blobs; 0: none held (every lookup says NOT_HELD) */
+    const uint32_t *part, *stored, *raw;
+    const uint64_t *offset, *xxh3;
+    const uint8_t *codec;
+    uint64_t chunk_size; /* options.chunk_size: blob k of a file covers [k, k + 1) x this */
+};
+
+extern struct fanstore_blobs fanstore_blobs;
+
+/* A verified frame table (codec 3): frame k's stored bytes are [offsets[k], offsets[k + 1])
+ * relative to the blob's start; zstd[k] 1 for a zstd frame; digests[k] the xxh3 of its raw
+ * bytes. Frame k's raw size: fanstore_frame_raw_size. */
+struct fanstore_ftable {
+    uint64_t blob;
+    uint32_t frame_size, count;
+    uint64_t raw_len;
+    uint64_t *offsets; /* count + 1 */
+    uint8_t *zstd;
+    uint64_t *digests;
+    int refs; /* the cache's reference and each fanstore_table_get's (under the cache lock) */
+};
+
+uint64_t fanstore_checksum(const void *p, size_t n); /* xxh3-64, FANSTORE_HASH_SEED */
+
+/* Whether this rank holds `blob`'s stored bytes locally (its partition is here: whole, or a
+ * dense copy listing the blob). */
+int fanstore_blob_held(uint64_t blob);
+
+/* `n` stored bytes of `blob` from `rel` bytes into them, into `buf` (the whole blob: rel 0,
+ * n = stored[blob]). nowait: only from the page cache (preadv2 RWF_NOWAIT), AGAIN at once
+ * otherwise. OK, AGAIN, NOT_HELD or IO. */
+int fanstore_blob_pread(uint64_t blob, uint64_t rel, size_t n, void *buf, int nowait);
+
+/* Decode and verify `blob` from its complete stored bytes (`stored`, stored[blob] bytes: read
+ * here, or received from a peer) into `out` (raw[blob] bytes). Every codec: 0 checked in
+ * place and copied, 1 and 2 decoded with the output bounded by the raw size, 3 the table
+ * checked against the manifest, then every frame decoded and checked. OK, CORRUPT or NOMEM. */
+int fanstore_blob_decode(uint64_t blob, const void *stored, void *out);
+
+/* The verified frame table of framed `blob` held here: from the cache, or read (one pread,
+ * a second when the table is longer than 4 KiB), checked and cached (4,096 tables at most).
+ * On OK, *t holds a reference: give it back with fanstore_table_put. OK, AGAIN (nowait),
+ * NOT_HELD, IO, CORRUPT or NOMEM. */
+int fanstore_table_get(uint64_t blob, int nowait, const struct fanstore_ftable **t);
+void fanstore_table_put(const struct fanstore_ftable *t);
+
+/* Parse and check a frame table at the start of `buf` (`len` bytes available) of a framed blob
+ * of `stored_len` stored and `raw_len` raw bytes whose manifest xxh3 is `digest`, as
+ * _blobcodec.parse_table. On OK, *t is a new table (refs 1) the caller frees with
+ * fanstore_table_put. CORRUPT (also when `len` is too short) or NOMEM. */
+int fanstore_table_parse(const void *buf, size_t len, uint64_t stored_len, uint64_t raw_len,
+                         uint64_t digest, struct fanstore_ftable **t);
+
+static inline uint32_t fanstore_frame_raw_size(const struct fanstore_ftable *t, uint32_t k) {
+    uint64_t left = t->raw_len - (uint64_t)k * t->frame_size;
+    return left < t->frame_size ? (uint32_t)left : t->frame_size;
+}
+
+/* Frames k0..k1 (inclusive) from `span`, their stored bytes back to back (stored offsets
+ * offsets[k0] .. offsets[k1 + 1]): each decoded (zstd) into `out` at its raw position
+ * ((k - k0) x frame_size) and checked against its xxh3, raw frames checked and copied. `out`
+ * NULL: the frames must all be raw; they are checked in place (the raw bytes are then `span`
+ * itself). OK, CORRUPT or NOMEM. */
+int fanstore_frames_decode(const struct fanstore_ftable *t, uint32_t k0, uint32_t k1,
+                           const void *span, void *out);
+
+/* Whether frames k0..k1 are all stored raw. */
+int fanstore_frames_raw(const struct fanstore_ftable *t, uint32_t k0, uint32_t k1);
+
+/* A thread's buffers for fanstore_blob_range (grown as needed; free with
+ * fanstore_scratch_free). */
+struct fanstore_scratch {
+    char *stored, *raw;
+    size_t stored_cap, raw_cap;
+};
+void fanstore_scratch_free(struct fanstore_scratch *s);
+
+/* Raw bytes lo..hi (hi <= raw[blob]) of `blob`, held here, verified: a framed blob reads only
+ * the frames covering them (one pread; raw frames checked in place), any other reads and
+ * decodes the whole blob. On OK, *out points at the hi - lo bytes, inside `s` (valid until
+ * its next use). OK, AGAIN (nowait), NOT_HELD, IO, CORRUPT or NOMEM. */
+int fanstore_blob_range(uint64_t blob, uint64_t lo, uint64_t hi, int nowait,
+                        struct fanstore_scratch *s, const char **out);
+
+#ifdef Py_PYTHON_H /* the module's functions, for _noflush.c's method table */
+PyObject *fanstore_py_hold_blobs(PyObject *self, PyObject *args);
+PyObject *fanstore_py_drop_blobs(PyObject *self, PyObject *unused);
+PyObject *fanstore_py_blob_read(PyObject *self, PyObject *args);
+
+#define FANSTORE_BLOBS_METHODS                                                                   \
+    {"hold_blobs", fanstore_py_hold_blobs, METH_VARARGS,                                         \
+     "hold_blobs((part, offset, stored, raw, codec, xxh3), n, chunk_size, zdict, fds, dense, "   \
+     "dense_ids, dense_offs): hold the blob columns and this rank's local copies for C reads"},  \
+    {"drop_blobs", fanstore_py_drop_blobs, METH_NOARGS,                                          \
+     "drop_blobs(): release the blob columns, close the local copies (no read in flight)"},      \
+    {"blob_read", fanstore_py_blob_read, METH_VARARGS,                                           \
+     "blob_read(blob, lo, hi): bytes lo..hi of a held blob, verified in C (tests; raises "       \
+     "OSError with the outcome)"},
+#endif
+
+#endif
