@@ -236,7 +236,8 @@ def test_many_requests_in_flight(tmp_path, mount_factory):
         assert all(pool.map(read, names))
     ranks = status_ranks(m.status())
     assert ranks[0]["stats"]["remote_reads"] > 100
-    assert ranks[0]["peak_requests_in_flight"] >= 8, ranks[0]  # not one at a time (FanStore)
+    peak = max(ranks[0]["peak_requests_in_flight"], ranks[0]["c_remote"].get("peak_in_flight", 0))
+    assert peak >= 8, ranks[0]  # not one at a time (FanStore): the Python transport's, or C's
 
 
 @pytest.mark.timeout(180)

@@ -42,6 +42,12 @@ from .writes import WriteStore
 
 log = logging.getLogger("fanstore_fuse.cluster")
 
+
+def _cremote_counts() -> dict[str, int]:
+    from ._cremote import counts  # _cremote imports this module
+
+    return counts()
+
 PEER_TIMEOUT = 10.0  # seconds before a silent holder is skipped for the next replica
 SUSPECT_SECONDS = 30.0  # a peer that timed out is tried last for this long
 
@@ -297,6 +303,7 @@ class StatusBoard:
         d: dict[str, object] = {"rank": self.rank, **self.node.local_status(), **self.held}
         d["host"] = socket.gethostname()
         d["fuse_shim"] = fastopen.counts()
+        d["c_remote"] = _cremote_counts()
         if self.writes is not None:
             d["writes"] = self.writes.status()
         if self.disk_cache is not None:

@@ -30,6 +30,7 @@
 #include "_shim_dataset.h"
 #include "_shim_ops.h"
 #include "_shim_readdir.h"
+#include "_shim_remote.h"
 
 typedef int (*reply_open_t)(fuse_req_t, const struct fuse_file_info *);
 
@@ -156,6 +157,7 @@ static PyMethodDef methods[] = {
     {"fast_counts", fanstore_fast_counts, METH_NOARGS, "fast_counts(): (opens, releases, getattrs, lingered) in C"},
     FANSTORE_READDIR_METHODS
     FANSTORE_BLOBS_METHODS
+    FANSTORE_REMOTE_METHODS
     {"hold_dataset", fanstore_py_hold_dataset, METH_VARARGS, "hold_dataset((kind, mode, uid, gid, count, mtime_ns, size, first, name_off, names), n): hold the manifest's columns for the C answers"},
     {"drop_dataset", fanstore_py_drop_dataset, METH_NOARGS, "drop_dataset(): every C answer from the dataset off, the columns released"},
     {NULL, NULL, 0, NULL},
