@@ -18,6 +18,7 @@ import pyfuse3
 import trio
 
 from . import _fastopen as fastopen
+from . import _fastread as fastread
 from ._blobstore import BlobStore
 from ._compose import Parts, compose, open_transport
 from ._cremote import CRemote
@@ -179,6 +180,8 @@ def _mount(cfg: MountConfig, m: _Mounted, view: MountView, settings: Settings) -
         enable_noflush()
     fast_open = settings.fast_open and fastopen.enable(view.node.ns, ENTRY_TIMEOUT,
                                                        settings.fuse_linger_us)
+    if settings.fast_read and m.store is not None:  # READs held here in C (Operations.init starts)
+        fastread.enable(view.node.ns, m.store, settings.fast_read_threads, settings.fast_read_inline)
     try:
         pyfuse3.init(Operations(view), m.mountpoint, opts)
     except RuntimeError as e:

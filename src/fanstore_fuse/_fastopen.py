@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 
-from . import _fastclose
+from . import _fastclose, _fastread
 from ._namespace import Namespace
 
 log = logging.getLogger("fanstore_fuse.fastopen")
@@ -44,7 +44,7 @@ def enable(ns: Namespace, timeout: float, linger_us: int = 0) -> bool:
 
 def counts() -> dict[str, int]:
     """Requests the C shim answered in this process: opens, releases and getattrs of dataset
-    files, opens given FOPEN_NOFLUSH, opendirs given FOPEN_CACHE_DIR."""
+    files, opens given FOPEN_NOFLUSH, opendirs given FOPEN_CACHE_DIR, reads (`_fastread`)."""
     shim = _fastclose._shim
     if shim is None:
         return {}
@@ -53,4 +53,4 @@ def counts() -> dict[str, int]:
     return {"c_opens": int(opens), "c_releases": int(releases), "c_getattrs": int(getattrs),
             "c_lingered": int(lingered),
             "noflush_opens": _fastclose.noflush_opens(),
-            "cached_listings": _fastclose.cached_listings()}
+            "cached_listings": _fastclose.cached_listings(), **_fastread.counts()}

@@ -17,12 +17,14 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from collections.abc import Awaitable, Callable
 
 import pyfuse3
 import trio
 
 from . import _fastclose
 from ._blobstore import BlobStore
+from ._namespace import Namespace
 
 log = logging.getLogger("fanstore_fuse.fastread")
 
@@ -57,7 +59,8 @@ class _Fallback:
     """What the shim's threads call (GIL taken) when C cannot answer a READ it took: the same
     read through `Operations.read` on the trio thread; bytes, or the errno it gave."""
 
-    def __init__(self, read, token: trio.lowlevel.TrioToken):
+    def __init__(self, read: Callable[[int, int, int], Awaitable[bytes]],
+                 token: trio.lowlevel.TrioToken):
         self.read = read
         self.token = token
         self.calls = 0
@@ -68,36 +71,46 @@ class _Fallback:
             return trio.from_thread.run(self.read, fh, off, size, trio_token=self.token)
         except pyfuse3.FUSEError as e:
             return e.errno
+        except trio.RunFinishedError:
+            return errno.EIO  # unmounting
         except Exception:
             log.exception("C read fallback of handle %d failed", fh)
             return errno.EIO
 
 
-def enable(store: BlobStore, threads: int, inline_max: int) -> bool:
-    """Hold the blobs and patch READ (`threads` reader threads; reads of at most `inline_max`
-    stored bytes answered from the page cache inline). Before pyfuse3.init; serving starts at
-    `start`. False (one log line) without the shim."""
+_enabled = False
+
+
+def enable(ns: Namespace, store: BlobStore, threads: int, inline_max: int) -> bool:
+    """Hold the entry columns (`_fastclose.hold_dataset`) and the blobs, and patch READ
+    (`threads` reader threads; READs of at most `inline_max` bytes first tried from the page
+    cache on the FUSE thread). Before pyfuse3.init; serving starts at `start`. False (one log
+    line) without the shim."""
+    global _enabled
     shim = _fastclose._shim
     if shim is None or not hasattr(shim, "fast_read"):
         log.info("dataset reads go through Python (%s)", _fastclose._why)
         return False
     try:
+        _fastclose.hold_dataset(ns.m)
         hold_blobs(store)
         shim.fast_read(threads, inline_max)
     except (ValueError, TypeError, BufferError, OSError) as err:
         log.warning("dataset reads go through Python: %s", err)
         return False
+    _enabled = True
     return True
 
 
-def start(read) -> bool:
-    """In the trio run: C answers READs from now on, `read` (Operations.read) as its fallback."""
+def start(read: Callable[[int, int, int], Awaitable[bytes]]) -> bool:
+    """In the trio run (`Operations.init`): C answers READs from now on, `read`
+    (`Operations.read`) as its fallback. Never raises; False when not enabled."""
     shim = _fastclose._shim
-    if shim is None or not hasattr(shim, "read_start"):
+    if not _enabled or shim is None:
         return False
     try:
         shim.read_start(_Fallback(read, trio.lowlevel.current_trio_token()))
-    except (ValueError, OSError) as err:
+    except (ValueError, OSError, RuntimeError) as err:
         log.warning("dataset reads go through Python: %s", err)
         return False
     log.info("dataset reads answered by the C shim")

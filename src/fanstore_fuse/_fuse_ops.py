@@ -16,6 +16,7 @@ from typing import Any, TypeVar, cast
 
 import pyfuse3
 
+from . import _fastread
 from ._errors import FanstoreError, InvalidArgument, ReadOnly
 from ._fastclose import PLAIN_FH, cache_listing, plain_entries, serve_dataset
 from ._namespace import Record
@@ -70,6 +71,11 @@ class Operations(pyfuse3.Operations):
         super().__init__()
         self.view = view
         self._in_c = False  # dataset lookups and listings answered by the C shim
+
+    def init(self) -> None:
+        """pyfuse3 calls it in the trio run before the first request: the C shim's READs (when
+        `_fastread.enable`d) start here, with `read` as their fallback."""
+        _fastread.start(self.read)
 
     def _hand_to_c(self) -> None:
         """Once the dataset's metadata is answered from the local map (at once on one rank,

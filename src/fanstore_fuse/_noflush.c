@@ -69,6 +69,7 @@ struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_
     memcpy(&patched_ops, op, op_size);
     fanstore_patch_readdir(&patched_ops);
     fanstore_patch_open(&patched_ops);
+    fanstore_patch_read(&patched_ops);
     sessions_patched++;
     return real(args, &patched_ops, sizeof(patched_ops), userdata);
 }
@@ -158,6 +159,9 @@ static PyMethodDef methods[] = {
     FANSTORE_READDIR_METHODS
     FANSTORE_BLOBS_METHODS
     FANSTORE_REMOTE_METHODS
+    {"fast_read", fanstore_py_fast_read, METH_VARARGS, "fast_read(threads, inline_max): patch READ of the held dataset's files (before pyfuse3.init)"},
+    {"read_start", fanstore_py_read_start, METH_O, "read_start(fallback): answer READs in C from now on; fallback(fh, off, size) -> bytes | errno on errors"},
+    {"read_counts", fanstore_py_read_counts, METH_NOARGS, "read_counts(): (reads, bytes, inline, fallbacks) in C"},
     {"hold_dataset", fanstore_py_hold_dataset, METH_VARARGS, "hold_dataset((kind, mode, uid, gid, count, mtime_ns, size, first, name_off, names), n): hold the manifest's columns for the C answers"},
     {"drop_dataset", fanstore_py_drop_dataset, METH_NOARGS, "drop_dataset(): every C answer from the dataset off, the columns released"},
     {NULL, NULL, 0, NULL},

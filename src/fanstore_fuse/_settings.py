@@ -10,6 +10,9 @@
 | `FANSTORE_MPI_SEND_POLL` | 2e-05 | first poll interval (s) while a send is pending |
 | `FANSTORE_NOFLUSH` | 1 | writable mount: open read-only files with FOPEN_NOFLUSH (0: flush every close) |
 | `FANSTORE_FASTOPEN` | 1 | answer OPEN/RELEASE of dataset files in the C shim (0: in Python) |
+| `FANSTORE_FASTREAD` | 1 | answer READ of dataset files held here in the C shim (0: in Python) |
+| `FANSTORE_FASTREAD_THREADS` | 4 | the C shim's reader threads |
+| `FANSTORE_FASTREAD_INLINE` | 131072 | C READs this small first tried from the page cache inline (0: never) |
 | `FANSTORE_FUSE_LINGER_US` | 200 | after a request answered in C, wait for the next (us; 0: back to trio) |
 | `FANSTORE_MPI_REPLY_POLL` | 2e-05 | first poll interval (s) while replies are due (0: idle backoff) |
 | `FANSTORE_MPI_BACKOFF` | 2.0 | growth of the MPI thread's poll interval while nothing arrives (1: fixed) |
@@ -40,6 +43,9 @@ _ENV = {
     "noflush": "FANSTORE_NOFLUSH",
     "fast_open": "FANSTORE_FASTOPEN",
     "fuse_linger_us": "FANSTORE_FUSE_LINGER_US",
+    "fast_read": "FANSTORE_FASTREAD",
+    "fast_read_threads": "FANSTORE_FASTREAD_THREADS",
+    "fast_read_inline": "FANSTORE_FASTREAD_INLINE",
     "mpi_inline": "FANSTORE_MPI_INLINE",
     "mpi_backoff": "FANSTORE_MPI_BACKOFF",
     "mpi_doorbell": "FANSTORE_MPI_DOORBELL",
@@ -87,6 +93,9 @@ class Settings:
     noflush: int = 1
     fast_open: int = 1
     fuse_linger_us: int = 200
+    fast_read: int = 1
+    fast_read_threads: int = 4
+    fast_read_inline: int = 128 << 10
     mpi_inline: int = 1
     mpi_backoff: float = 2.0
     mpi_doorbell: int = 1

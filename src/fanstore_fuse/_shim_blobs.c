@@ -380,6 +380,7 @@ static int framed_range(uint64_t blob, uint64_t lo, uint64_t hi, int nowait,
     int r = fanstore_table_get(blob, nowait, &t);
     if (r != FANSTORE_BLOB_OK)
         return r;
+    s->have = 0;
     uint32_t k0 = (uint32_t)(lo / t->frame_size), k1 = (uint32_t)((hi - 1) / t->frame_size);
     uint64_t rel = t->offsets[k0], n = t->offsets[k1 + 1] - rel;
     int raw = fanstore_frames_raw(t, k0, k1);
@@ -406,12 +407,19 @@ int fanstore_blob_range(uint64_t blob, uint64_t lo, uint64_t hi, int nowait,
         return framed_range(blob, lo, hi, nowait, s, out);
     uint32_t n = b->stored[blob];
     int raw = b->codec[blob] == FANSTORE_CODEC_RAW;
+    if (s->have == blob + 1) { /* decoded and verified by this thread's previous read */
+        *out = (raw ? s->stored : s->raw) + lo;
+        return FANSTORE_BLOB_OK;
+    }
+    s->have = 0;
     if (!grow(&s->stored, &s->stored_cap, n) || (!raw && !grow(&s->raw, &s->raw_cap, b->raw[blob])))
         return FANSTORE_BLOB_NOMEM;
     int r = fanstore_blob_pread(blob, 0, n, s->stored, nowait);
     if (r == FANSTORE_BLOB_OK && (r = fanstore_blob_decode(blob, s->stored, raw ? s->stored : s->raw)) ==
-                                     FANSTORE_BLOB_OK)
+                                     FANSTORE_BLOB_OK) {
         *out = (raw ? s->stored : s->raw) + lo;
+        s->have = blob + 1;
+    }
     return r;
 }
 

@@ -105,10 +105,12 @@ int fanstore_frames_decode(const struct fanstore_ftable *t, uint32_t k0, uint32_
 int fanstore_frames_raw(const struct fanstore_ftable *t, uint32_t k0, uint32_t k1);
 
 /* A thread's buffers for fanstore_blob_range (grown as needed; free with
- * fanstore_scratch_free). */
+ * fanstore_scratch_free; zero-initialized). The last non-framed blob decoded stays there, so
+ * many small reads of one blob (O_DIRECT) decode and verify it once. */
 struct fanstore_scratch {
     char *stored, *raw;
     size_t stored_cap, raw_cap;
+    uint64_t have; /* 1 + the blob whose verified raw bytes the buffers hold; 0: none */
 };
 void fanstore_scratch_free(struct fanstore_scratch *s);
 

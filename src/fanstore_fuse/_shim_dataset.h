@@ -12,6 +12,7 @@
  * a hand-over of other columns (or a release) switches all of them off. */
 #define FANSTORE_SERVE_FILES 1u /* _shim_open.c: OPEN, RELEASE, GETATTR of dataset files */
 #define FANSTORE_SERVE_NAMES 2u /* _shim_readdir.c: LOOKUP, listings of dataset directories */
+#define FANSTORE_SERVE_READS 4u /* _shim_read.c: READ of dataset files held here */
 
 struct fanstore_dataset {
     uint64_t n; /* entries; entry j is inode j + 1; 0: no columns held */

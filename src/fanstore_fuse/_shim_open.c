@@ -106,7 +106,7 @@ struct in_header { /* struct fuse_in_header of <linux/fuse.h>: the kernel's ABI 
     uint32_t uid, gid, pid;
     uint16_t total_extlen, padding;
 };
-enum { OP_GETATTR = 3, OP_OPEN = 14, OP_RELEASE = 18, LINGER_BATCH = 64 };
+enum { OP_GETATTR = 3, OP_OPEN = 14, OP_READ = 15, OP_RELEASE = 18, LINGER_BATCH = 64 };
 #define LINGER_TOTAL_NS 1000000 /* and never longer than 1 ms in all before trio runs again */
 
 typedef int (*receive_t)(struct fuse_session *, struct fuse_buf *);
@@ -133,6 +133,8 @@ static int answered_here(const struct fuse_buf *buf, int len) {
             return 0;
         memcpy(&u32, body, 4); /* fuse_open_in.flags */
         return open_here(h->nodeid, u32);
+    case OP_READ:
+        return fanstore_read_answered(h->nodeid, body, left); /* _shim_read.c */
     case OP_RELEASE:
         if (left < 8)
             return 0;

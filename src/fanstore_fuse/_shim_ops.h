@@ -10,10 +10,18 @@ void *fanstore_libfuse_symbol(const char *name); /* libfuse3's own definition of
 
 void fanstore_patch_readdir(struct fuse_lowlevel_ops *ops); /* _shim_readdir.c */
 void fanstore_patch_open(struct fuse_lowlevel_ops *ops);    /* _shim_open.c */
+void fanstore_patch_read(struct fuse_lowlevel_ops *ops);    /* _shim_read.c */
+
+/* _shim_read.c: whether a READ (inode, the fuse_read_in body of `left` bytes) is answered in C
+ * (_shim_open.c's request loop then keeps going without trio). */
+int fanstore_read_answered(uint64_t ino, const void *body, size_t left);
 
 #ifdef Py_PYTHON_H /* the module's functions defined next to their patch */
 PyObject *fanstore_fast_open(PyObject *self, PyObject *args);     /* _shim_open.c */
 PyObject *fanstore_fast_counts(PyObject *self, PyObject *unused); /* _shim_open.c */
+PyObject *fanstore_py_fast_read(PyObject *self, PyObject *args);    /* _shim_read.c */
+PyObject *fanstore_py_read_start(PyObject *self, PyObject *fallback);
+PyObject *fanstore_py_read_counts(PyObject *self, PyObject *unused);
 #endif
 
 #endif

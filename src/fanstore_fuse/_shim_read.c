@@ -1,0 +1,304 @@
+/* READ of dataset files answered in C (issue 11).
+ *
+ * Through pyfuse3, every READ is a trio task, a Python handler and (for a cold blob) a worker
+ * thread hop: ~150 us of the daemon's CPU before any byte is read. Once Python has handed over
+ * the manifest's entry columns (_shim_dataset.c), the blob columns and this rank's local copies
+ * (_shim_blobs.c) and started this (read_start, in the trio run), a READ whose bytes are all
+ * here is answered without Python:
+ *
+ * - which: the handle is the inode of a dataset regular file (what MountView.open and
+ *   _shim_open.c answer for an open without write intent; written files have other handles),
+ *   and every blob covering [off, off + size) is held here and is framed (codec 3: only the
+ *   frames covering the range are read) or at most WHOLE_MAX raw bytes (decoded whole, as
+ *   Python's BlobCache would; larger non-framed blobs, from a version-2 or `--frame-kib 0` prep,
+ *   go to Python, whose blob cache serves their many 128 KiB reads from one decode). A READ
+ *   spanning several blobs is answered by concatenating their ranges. Anything else goes to
+ *   pyfuse3's read handler, unchanged; the test is a pure function of the request and the held
+ *   columns, so _shim_open.c's request loop may use it too (fanstore_read_answered).
+ * - where: a READ of at most `inline_max` bytes is first tried on the FUSE thread from the
+ *   page cache alone (RWF_NOWAIT preads: no disk wait, no thread hop); otherwise, or when that
+ *   would wait, it is queued to a small pool of threads (no GIL) that pread, verify, decode and
+ *   reply (libfuse's reply calls are thread-safe).
+ * - errors: nothing that failed a check is ever sent. On any error in C (checksum, short read,
+ *   I/O error, decode) the thread takes the GIL and calls Python's fallback (_fastread: the
+ *   same read through Operations.read on the trio thread, which logs, counts, tries other
+ *   copies where there are any and gives EIO when nothing is good) and replies with its bytes
+ *   or errno.
+ *
+ * The kernel's page cache (keep_cache on every dataset open) keeps what was read; C keeps no
+ * blob cache of its own.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "_shim_blobs.h"
+#include "_shim_dataset.h"
+#include "_shim_ops.h"
+
+#define WHOLE_MAX (512u << 10) /* non-framed blobs decoded whole for a READ up to this size */
+#define QUEUE 1024             /* READs waiting for a thread (more: answered by Python) */
+#define MAX_THREADS 64
+
+typedef void (*read_op_t)(fuse_req_t, fuse_ino_t, size_t, off_t, struct fuse_file_info *);
+typedef int (*reply_buf_t)(fuse_req_t, const char *, size_t);
+typedef int (*reply_err_t)(fuse_req_t, int);
+
+static read_op_t py_read;
+static reply_buf_t reply_buf;
+static reply_err_t reply_err;
+static PyObject *fallback; /* _fastread._Fallback: (fh, off, size) -> bytes | errno */
+static size_t inline_max;
+static int nthreads;
+static unsigned long long c_reads, c_bytes, c_inline, c_fallbacks;
+
+struct job {
+    fuse_req_t req;
+    uint64_t ino, off;
+    uint32_t size;
+};
+
+static pthread_mutex_t qlock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t qcond = PTHREAD_COND_INITIALIZER;
+static struct job queue[QUEUE];
+static unsigned qhead, qlen;
+static int started;
+
+/* Whether blob b can be read here for a READ. */
+static int blob_ok(uint64_t b) {
+    return fanstore_blob_held(b) && (fanstore_blobs.codec[b] == FANSTORE_CODEC_FRAMED ||
+                                     fanstore_blobs.raw[b] <= WHOLE_MAX);
+}
+
+static int read_here(uint64_t ino, uint64_t fh, uint64_t off, uint64_t size) {
+    if (!started || fh != ino || !fanstore_dataset_serves(FANSTORE_SERVE_READS, ino))
+        return 0;
+    uint64_t j = ino - 1, fsize = fanstore_ds.size[j], chunk = fanstore_blobs.chunk_size;
+    if (fanstore_ds.kind[j] != FANSTORE_KIND_FILE || chunk == 0)
+        return 0;
+    if (off >= fsize || size == 0)
+        return 1; /* end of file: an empty reply */
+    uint64_t end = off + size < fsize ? off + size : fsize, first = fanstore_ds.first[j];
+    uint64_t k0 = off / chunk, k1 = (end - 1) / chunk;
+    if (k1 >= fanstore_ds.count[j])
+        return 0; /* cannot happen with a validated manifest */
+    for (uint64_t k = k0; k <= k1; k++)
+        if (!blob_ok(first + k))
+            return 0;
+    return 1;
+}
+
+int fanstore_read_answered(uint64_t ino, const void *body, size_t left) {
+    uint64_t fh, off;
+    uint32_t size;
+    if (left < 20)
+        return 0;
+    memcpy(&fh, body, 8); /* struct fuse_read_in: fh, offset, size, ... */
+    memcpy(&off, (const char *)body + 8, 8);
+    memcpy(&size, (const char *)body + 16, 4);
+    return read_here(ino, fh, off, size);
+}
+
+struct worker {
+    struct fanstore_scratch s;
+    char *cat; /* a READ spanning blobs, concatenated */
+    size_t cat_cap;
+};
+
+/* Answer the READ from the local copies: OK (replied), or an outcome (nothing replied). */
+static int serve(const struct job *jb, int nowait, struct worker *w) {
+    uint64_t j = jb->ino - 1, fsize = fanstore_ds.size[j], chunk = fanstore_blobs.chunk_size;
+    if (jb->off >= fsize || jb->size == 0) {
+        reply_buf(jb->req, NULL, 0);
+        return FANSTORE_BLOB_OK;
+    }
+    uint64_t end = jb->off + jb->size < fsize ? jb->off + jb->size : fsize;
+    uint64_t first = fanstore_ds.first[j], k0 = jb->off / chunk, k1 = (end - 1) / chunk;
+    const char *out;
+    int r;
+    if (k0 == k1) {
+        uint64_t base = k0 * chunk;
+        r = fanstore_blob_range(first + k0, jb->off - base, end - base, nowait, &w->s, &out);
+        if (r == FANSTORE_BLOB_OK)
+            reply_buf(jb->req, out, end - jb->off);
+        return r;
+    }
+    size_t n = end - jb->off;
+    if (w->cat_cap < n) {
+        char *c = malloc(n);
+        if (c == NULL)
+            return FANSTORE_BLOB_NOMEM;
+        free(w->cat);
+        w->cat = c;
+        w->cat_cap = n;
+    }
+    for (uint64_t k = k0; k <= k1; k++) {
+        uint64_t base = k * chunk, lo = jb->off > base ? jb->off : base;
+        uint64_t hi = end < base + chunk ? end : base + chunk;
+        if ((r = fanstore_blob_range(first + k, lo - base, hi - base, nowait, &w->s, &out)) !=
+            FANSTORE_BLOB_OK)
+            return r;
+        memcpy(w->cat + (lo - jb->off), out, hi - lo);
+    }
+    reply_buf(jb->req, w->cat, n);
+    return FANSTORE_BLOB_OK;
+}
+
+/* C could not answer: Python reads it its way (logs, counts, other copies, EIO). */
+static void to_python(const struct job *jb) {
+    __atomic_add_fetch(&c_fallbacks, 1, __ATOMIC_RELAXED);
+    PyGILState_STATE g = PyGILState_Ensure();
+    PyObject *res = fallback ? PyObject_CallFunction(fallback, "KKI", (unsigned long long)jb->ino,
+                                                     (unsigned long long)jb->off, jb->size)
+                             : NULL;
+    if (res != NULL && PyBytes_Check(res))
+        reply_buf(jb->req, PyBytes_AS_STRING(res), (size_t)PyBytes_GET_SIZE(res));
+    else {
+        long e = res != NULL && PyLong_Check(res) ? PyLong_AsLong(res) : EIO;
+        if (PyErr_Occurred()) {
+            PyErr_WriteUnraisable(fallback);
+            e = EIO;
+        }
+        reply_err(jb->req, e > 0 ? (int)e : EIO);
+    }
+    Py_XDECREF(res);
+    PyGILState_Release(g);
+}
+
+static void count(const struct job *jb, int on_fuse_thread) {
+    uint64_t fsize = fanstore_ds.size[jb->ino - 1];
+    uint64_t n = jb->off >= fsize ? 0 : (fsize - jb->off < jb->size ? fsize - jb->off : jb->size);
+    __atomic_add_fetch(&c_reads, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&c_bytes, n, __ATOMIC_RELAXED);
+    if (on_fuse_thread)
+        __atomic_add_fetch(&c_inline, 1, __ATOMIC_RELAXED);
+}
+
+static void *worker_main(void *arg) {
+    (void)arg;
+    struct worker w = {0};
+    for (;;) {
+        pthread_mutex_lock(&qlock);
+        while (qlen == 0)
+            pthread_cond_wait(&qcond, &qlock);
+        struct job jb = queue[qhead];
+        qhead = (qhead + 1) % QUEUE;
+        qlen--;
+        pthread_mutex_unlock(&qlock);
+        if (serve(&jb, 0, &w) == FANSTORE_BLOB_OK)
+            count(&jb, 0);
+        else
+            to_python(&jb);
+    }
+    return NULL;
+}
+
+static int enqueue(const struct job *jb) {
+    pthread_mutex_lock(&qlock);
+    int ok = qlen < QUEUE;
+    if (ok) {
+        queue[(qhead + qlen) % QUEUE] = *jb;
+        qlen++;
+        pthread_cond_signal(&qcond);
+    }
+    pthread_mutex_unlock(&qlock);
+    return ok;
+}
+
+static void read_in_c(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
+                      struct fuse_file_info *fi) {
+    if (off < 0 || !read_here(ino, fi->fh, (uint64_t)off, size)) {
+        py_read(req, ino, size, off, fi);
+        return;
+    }
+    struct job jb = {req, ino, (uint64_t)off, (uint32_t)size};
+    if (size <= inline_max) {
+        static struct worker fuse_thread; /* only ever used on the one FUSE thread */
+        if (serve(&jb, 1, &fuse_thread) == FANSTORE_BLOB_OK) {
+            count(&jb, 1);
+            return;
+        }
+    }
+    if (!enqueue(&jb))
+        py_read(req, ino, size, off, fi); /* more READs waiting than QUEUE: Python takes it */
+}
+
+void fanstore_patch_read(struct fuse_lowlevel_ops *ops) {
+    reply_buf = (reply_buf_t)fanstore_libfuse_symbol("fuse_reply_buf");
+    reply_err = (reply_err_t)fanstore_libfuse_symbol("fuse_reply_err");
+    if (ops->read == NULL || reply_buf == NULL || reply_err == NULL || nthreads == 0)
+        return;
+    py_read = ops->read;
+    ops->read = read_in_c;
+}
+
+/* fast_read(threads, inline_max): patch READ in the next FUSE session (call before
+ * pyfuse3.init, after hold_blobs); nothing is answered in C before read_start. */
+PyObject *fanstore_py_fast_read(PyObject *self, PyObject *args) {
+    (void)self;
+    int threads;
+    Py_ssize_t inl;
+    if (!PyArg_ParseTuple(args, "in", &threads, &inl))
+        return NULL;
+    if (threads < 1 || threads > MAX_THREADS || inl < 0) {
+        PyErr_Format(PyExc_ValueError, "fast_read: 1..%d threads, inline_max >= 0", MAX_THREADS);
+        return NULL;
+    }
+    if (fanstore_blobs.n == 0) {
+        PyErr_SetString(PyExc_ValueError, "fast_read: no blobs held (hold_blobs first)");
+        return NULL;
+    }
+    if (started) {
+        PyErr_SetString(PyExc_ValueError, "fast_read: already started");
+        return NULL;
+    }
+    nthreads = threads;
+    inline_max = (size_t)inl;
+    Py_RETURN_NONE;
+}
+
+/* read_start(fallback): start the threads and answer READs from now on. */
+PyObject *fanstore_py_read_start(PyObject *self, PyObject *fb) {
+    (void)self;
+    if (py_read == NULL) {
+        PyErr_SetString(PyExc_ValueError, "read_start: READ not patched (fast_read before init)");
+        return NULL;
+    }
+    if (started)
+        Py_RETURN_NONE;
+    if (!fanstore_dataset_serve(FANSTORE_SERVE_READS, "read_start"))
+        return NULL;
+    Py_INCREF(fb);
+    fallback = fb;
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old); /* signals stay with the Python threads */
+    int made = 0;
+    for (; made < nthreads; made++) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, worker_main, NULL) != 0)
+            break;
+        pthread_detach(t);
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (made == 0) {
+        PyErr_SetString(PyExc_OSError, "read_start: no thread could be started");
+        return NULL;
+    }
+    started = 1;
+    Py_RETURN_NONE;
+}
+
+PyObject *fanstore_py_read_counts(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return Py_BuildValue("(KKKK)", __atomic_load_n(&c_reads, __ATOMIC_RELAXED),
+                         __atomic_load_n(&c_bytes, __ATOMIC_RELAXED),
+                         __atomic_load_n(&c_inline, __ATOMIC_RELAXED),
+                         __atomic_load_n(&c_fallbacks, __ATOMIC_RELAXED));
+}
