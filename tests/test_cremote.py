@@ -59,11 +59,12 @@ def test_remote_reads_come_through_c(src_tree, tmp_path, mount_factory, ranks, o
     for r in ranks_status:
         s, c = r["stats"], r["c_remote"]
         assert c["ready"] == 1 and c["bells"] == 1, r
-        assert s["remote_reads"] > 0, r
-        assert s.get("c_remote_reads", 0) == s["remote_reads"], r  # every remote blob: C
-        assert s.get("c_remote_fallbacks", 0) == 0, r
+        # every blob of another rank came through C: READs answered in C, or fetched for Python
+        assert c["c_reads"] > 0, r
+        assert s.get("c_remote_reads", 0) == s["remote_reads"], r
+        assert s.get("c_remote_fallbacks", 0) == c["c_read_fallbacks"] == 0, r
         assert c["corrupt"] == c["timeouts"] == c["error_replies"] == 0, r
-        assert c["fetched"] == s["c_remote_reads"], r
+        assert c["fetched"] >= s["remote_reads"] + c["c_reads"] - c["in_flight"], r
         served += c["served"]
         fetched += c["fetched"]
     assert served == fetched  # every request answered by a C server

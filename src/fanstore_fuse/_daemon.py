@@ -341,9 +341,8 @@ def serve(cfg: MountConfig) -> int:
     assert m.parts is not None  # set by the setup, which succeeded on every rank
     side: list[Callable[[], Awaitable[None]]] = [pages.run]
     if m.parts.remote is not None:  # every rank gets here, or none: the allgather said so
-        c = CRemote.start(comm, ready.store, cfg.peer_timeout)
+        c = CRemote.start(comm, ready.store, m.parts.remote, m.parts.disk_cache, cfg.peer_timeout)
         if c is not None:
-            m.parts.remote.remote = c
             side.append(c.run)
     if nranks > 1 and cfg.writable:
         mine = {i["rank"] for i in here}

@@ -70,6 +70,7 @@ struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_
     fanstore_patch_readdir(&patched_ops);
     fanstore_patch_open(&patched_ops);
     fanstore_patch_read(&patched_ops);
+    fanstore_patch_remote(&patched_ops); /* after READ's: it hands on what it does not take */
     sessions_patched++;
     return real(args, &patched_ops, sizeof(patched_ops), userdata);
 }

@@ -3,6 +3,7 @@
  * remote thread: _shim_remote_mpi.c. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 
@@ -208,25 +209,42 @@ int fanstore_remote_fetch(int owner, uint64_t blob, double timeout, fanstore_rem
 
 /* ------------------------------------------------------------------ Python */
 
-struct finished {
+struct finished { /* for remote_take: a Python call's outcome, or a blob for the disk cache */
     struct finished *next;
-    PyObject *token;
+    PyObject *token; /* NULL: `raw` is blob `blob`, fetched for a READ in C */
+    uint64_t blob;
     int status;
     char *raw;
     size_t n;
 };
 static struct finished *finished_list;
 
+static void push_finished(struct finished *f) {
+    pthread_mutex_lock(&fsr_state.lock);
+    int was_empty = finished_list == NULL; /* else a poke is pending already */
+    f->next = finished_list;
+    finished_list = f;
+    pthread_mutex_unlock(&fsr_state.lock);
+    if (was_empty)
+        fsr_poke(fsr_state.done_fd);
+}
+
 static void py_done(void *ctx, int status, char *raw, size_t n) {
     struct finished *f = malloc(sizeof(*f));
     if (f == NULL)
         abort(); /* a token would be lost: its reader would wait forever */
-    *f = (struct finished){NULL, (PyObject *)ctx, status, raw, n};
-    pthread_mutex_lock(&fsr_state.lock);
-    f->next = finished_list;
-    finished_list = f;
-    pthread_mutex_unlock(&fsr_state.lock);
-    fsr_poke(fsr_state.done_fd);
+    *f = (struct finished){NULL, (PyObject *)ctx, 0, status, raw, n};
+    push_finished(f);
+}
+
+void fsr_offer(uint64_t blob, char *raw, size_t n) {
+    struct finished *f = malloc(sizeof(*f));
+    if (f == NULL) {
+        free(raw); /* not cached: nothing else is lost */
+        return;
+    }
+    *f = (struct finished){NULL, NULL, blob, 1, raw, n};
+    push_finished(f);
 }
 
 PyObject *fanstore_py_remote_start(PyObject *self, PyObject *args) {
@@ -264,13 +282,18 @@ PyObject *fanstore_py_remote_start(PyObject *self, PyObject *args) {
     fsr_state.size = size;
     fsr_state.stopping = fsr_state.ready = fsr_state.gathered = 0;
     memset(&fsr_stats, 0, sizeof(fsr_stats));
-    if (pthread_create(&fsr_state.thread, NULL, fsr_thread, NULL) != 0) {
+    sigset_t all, old; /* signals stay with the Python threads */
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    int ok = pthread_create(&fsr_state.thread, NULL, fsr_thread, NULL) == 0;
+    for (int i = 0; ok && i < WORKERS; i++)
+        if (pthread_create(&fsr_state.workers[i], NULL, fsr_worker, NULL) != 0)
+            abort(); /* the remote thread runs: it needs its workers */
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (!ok) {
         PyErr_SetString(PyExc_OSError, "cannot start the remote thread");
         return NULL;
     }
-    for (int i = 0; i < WORKERS; i++)
-        if (pthread_create(&fsr_state.workers[i], NULL, fsr_worker, NULL) != 0)
-            abort();
     fsr_state.running = 1;
     return PyLong_FromLong(fsr_state.done_fd);
 }
@@ -328,7 +351,8 @@ PyObject *fanstore_py_remote_take(PyObject *self, PyObject *unused) {
         PyObject *data = f->raw ? PyBytes_FromStringAndSize(f->raw, (Py_ssize_t)f->n) : Py_None;
         if (f->raw == NULL)
             Py_INCREF(Py_None);
-        PyObject *item = data && out ? Py_BuildValue("(NiN)", f->token, f->status, data) : NULL;
+        PyObject *token = f->token ? f->token : PyLong_FromUnsignedLongLong(f->blob);
+        PyObject *item = data && out && token ? Py_BuildValue("(NiN)", token, f->status, data) : NULL;
         if (item == NULL || PyList_Append(out, item) != 0)
             abort(); /* out of memory with readers waiting */
         Py_DECREF(item);
@@ -343,11 +367,13 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
     return Py_BuildValue(
-        "{sisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "bells",
+        "{sisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "bells",
         fsr_state.gathered == 1, "polls", fsr_stats.polls, "bell_wakes", fsr_stats.bell_wakes, "served", fsr_stats.served,
         "served_io", fsr_stats.served_io, "served_bytes", fsr_stats.served_bytes, "bad_requests", fsr_stats.bad_requests,
         "error_replies", fsr_stats.error_replies, "fetched", fsr_stats.fetched, "fetched_bytes", fsr_stats.fetched_bytes,
         "corrupt", fsr_stats.corrupt, "timeouts", fsr_stats.timeouts, "peer_errors", fsr_stats.peer_errors, "send_errors",
         fsr_stats.send_errors, "verified_by_worker", fsr_stats.verified_by_worker, "in_flight", fsr_stats.open_calls,
-        "peak_in_flight", fsr_stats.peak_calls);
+        "peak_in_flight", fsr_stats.peak_calls, "c_reads", fsr_stats.c_reads, "c_read_bytes",
+        fsr_stats.c_read_bytes, "c_read_fallbacks", fsr_stats.c_read_fallbacks, "cache_offers",
+        fsr_stats.cache_offers);
 }

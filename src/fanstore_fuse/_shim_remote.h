@@ -61,7 +61,14 @@ int fanstore_remote_fetch(int owner, uint64_t blob, double timeout, fanstore_rem
  * its thread keeps every other rank on the Python path). */
 int fanstore_remote_ready(void);
 
+/* READs of blobs held elsewhere answered through the remote thread (_shim_remote_read.c):
+ * patched into the FUSE table after _shim_read.c's, whose handler gets every READ not taken. */
+struct fuse_lowlevel_ops;
+void fanstore_patch_remote(struct fuse_lowlevel_ops *ops);
+
 #ifdef Py_PYTHON_H /* the module's functions, for _noflush.c's method table */
+PyObject *fanstore_py_remote_read_start(PyObject *self, PyObject *args);
+PyObject *fanstore_py_remote_owners(PyObject *self, PyObject *arr);
 PyObject *fanstore_py_remote_start(PyObject *self, PyObject *args);
 PyObject *fanstore_py_remote_stop(PyObject *self, PyObject *unused);
 PyObject *fanstore_py_remote_fetch(PyObject *self, PyObject *args);
@@ -81,7 +88,12 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused);
      "remote_take(): [(token, status, bytes or None)] of the calls finished since the last "     \
      "take (status 0 or a negative errno); clears the eventfd"},                                 \
     {"remote_stats", fanstore_py_remote_stats, METH_NOARGS,                                      \
-     "remote_stats(): the remote thread's counters (dict)"},
+     "remote_stats(): the remote thread's counters (dict)"},                                     \
+    {"remote_read_start", fanstore_py_remote_read_start, METH_VARARGS,                           \
+     "remote_read_start(fallback, timeout, cache_index or None): READs of blobs held elsewhere " \
+     "through the remote thread from now on (once remote_owners published the owners)"},        \
+    {"remote_owners", fanstore_py_remote_owners, METH_O,                                         \
+     "remote_owners(u16 array): the primary owner of every blob (published once)"},
 #endif
 
 #endif

@@ -93,7 +93,8 @@ extern struct fsr_state fsr_state;
 struct fsr_stats {
     unsigned long long polls, bell_wakes, served, served_io, served_bytes, bad_requests,
         error_replies, fetched, fetched_bytes, corrupt, timeouts, peer_errors, send_errors,
-        verified_by_worker, open_calls, peak_calls;
+        verified_by_worker, open_calls, peak_calls, c_reads, c_read_bytes, c_read_fallbacks,
+        cache_offers;
 };
 extern struct fsr_stats fsr_stats;
 
@@ -125,6 +126,7 @@ void fsr_push_job(struct job *j);
 void fsr_finish(struct call *c, int status);
 void fsr_answered(char *buf, size_t n);
 void *fsr_worker(void *unused);
+void fsr_offer(uint64_t blob, char *raw, size_t n); /* raw bytes for the disk cache (taken over) */
 /* _shim_remote_mpi.c: MPI and the remote thread */
 const char *fsr_find_mpi(const char *path);
 void fsr_queue_out(int dest, int tag, char *buf, size_t n);
