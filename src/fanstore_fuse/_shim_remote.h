@@ -65,6 +65,8 @@ int fanstore_remote_ready(void);
  * patched into the FUSE table after _shim_read.c's, whose handler gets every READ not taken. */
 struct fuse_lowlevel_ops;
 void fanstore_patch_remote(struct fuse_lowlevel_ops *ops);
+/* Whether it takes this READ (its fuse_read_in `body`), for _shim_open.c's request loop. */
+int fanstore_remote_answered(uint64_t ino, const void *body, size_t left);
 
 #ifdef Py_PYTHON_H /* the module's functions, for _noflush.c's method table */
 PyObject *fanstore_py_remote_read_start(PyObject *self, PyObject *args);

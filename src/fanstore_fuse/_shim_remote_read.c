@@ -70,6 +70,18 @@ static int take(uint64_t ino, uint64_t fh, uint64_t off, uint64_t size, struct r
     return 1;
 }
 
+int fanstore_remote_answered(uint64_t ino, const void *body, size_t left) {
+    uint64_t fh, off;
+    uint32_t size;
+    struct rread r;
+    if (left < 20)
+        return 0;
+    memcpy(&fh, body, 8); /* struct fuse_read_in: fh, offset, size, ... */
+    memcpy(&off, (const char *)body + 8, 8);
+    memcpy(&size, (const char *)body + 16, 4);
+    return take(ino, fh, off, size, &r);
+}
+
 static void *fallback_main(void *arg) {
     struct rread *r = arg;
     COUNT(c_read_fallbacks);
