@@ -160,6 +160,9 @@ def test_silent_peer_times_out_and_reads_fall_back_to_the_source(src_tree, tmp_p
         os.kill(st.pids[2], signal.SIGCONT)
     assert "did not answer" in m.log_text()
     assert "source partition" in m.log_text()
+    if status_ranks(m.status())[0]["c_remote"].get("ready"):  # the C remote thread ran
+        assert "(C): rank 2 did not answer within 2 s" in m.log_text()
+        assert status_ranks(m.status())[0]["c_remote"]["timeouts"] >= 1
 
 
 @pytest.mark.timeout(120)

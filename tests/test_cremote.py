@@ -3,9 +3,6 @@ every file compared byte for byte, the C thread's counters proving who served wh
 
 from __future__ import annotations
 
-import os
-import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -61,10 +58,10 @@ def test_remote_reads_come_through_c(src_tree, tmp_path, mount_factory, ranks, o
         assert c["ready"] == 1 and c["bells"] == 1, r
         # every blob of another rank came through C: READs answered in C, or fetched for Python
         assert c["c_reads"] > 0, r
-        assert s.get("c_remote_reads", 0) == s["remote_reads"], r
+        assert s.get("c_remote_reads", 0) + c["c_reads"] == s["remote_reads"], r
         assert s.get("c_remote_fallbacks", 0) == c["c_read_fallbacks"] == 0, r
         assert c["corrupt"] == c["timeouts"] == c["error_replies"] == 0, r
-        assert c["fetched"] >= s["remote_reads"] + c["c_reads"] - c["in_flight"], r
+        assert c["fetched"] >= s["remote_reads"] - c["in_flight"], r
         served += c["served"]
         fetched += c["fetched"]
     assert served == fetched  # every request answered by a C server
@@ -117,25 +114,3 @@ def test_corrupt_peer_bytes_never_reach_a_reader(src_tree, tmp_path, mount_facto
     assert r0["stats"]["c_remote_fallbacks"] == r0["c_remote"]["corrupt"], r0
     assert r0["stats"].get("source_reads", 0) > 0, r0
     assert "(C): rank 1: Input/output error" in m.log_text()
-
-
-@pytest.mark.timeout(240)
-def test_stopped_peer_times_out_in_c_then_the_source_serves(src_tree, tmp_path, mount_factory):
-    dest = _prep(src_tree, tmp_path)
-    expected = expected_from_source(snapshot(src_tree)[0])
-    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=3,
-                      extra_args=["--peer-timeout", "2"])
-    st = m.state()
-    assert st is not None
-    os.kill(st.pids[2], signal.SIGSTOP)
-    try:
-        t0 = time.monotonic()
-        _check_tree(expected, m.mountpoints[0])
-        assert time.monotonic() - t0 < 60  # one timeout, then rank 2 is skipped
-    finally:
-        os.kill(st.pids[2], signal.SIGCONT)
-    log = m.log_text()
-    assert "(C): rank 2 did not answer within 2 s" in log
-    assert "source partition" in log
-    r0 = status_ranks(m.status())[0]
-    assert r0["c_remote"]["timeouts"] >= 1, r0

@@ -282,6 +282,8 @@ PyObject *fanstore_py_remote_start(PyObject *self, PyObject *args) {
     fsr_state.size = size;
     fsr_state.stopping = fsr_state.ready = fsr_state.gathered = 0;
     memset(&fsr_stats, 0, sizeof(fsr_stats));
+    if (fsr_state.suspect_until == NULL)
+        fsr_state.suspect_until = calloc((size_t)size, sizeof(int64_t)); /* NULL: nobody suspect */
     sigset_t all, old; /* signals stay with the Python threads */
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, &old);

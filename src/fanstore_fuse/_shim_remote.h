@@ -56,6 +56,10 @@ typedef void (*fanstore_remote_done)(void *ctx, int status, char *raw, size_t n)
  * running (the caller serves the read another way). */
 int fanstore_remote_fetch(int owner, uint64_t blob, double timeout, fanstore_remote_done done, void *ctx);
 
+/* Whether `rank` timed out or refused a send in the last SUSPECT_SECONDS (READs in C then
+ * leave its blobs to Python, which tries the other copies first). */
+int fanstore_remote_suspect(int rank);
+
 /* Whether the remote thread runs and every rank's thread joined the exchange of doorbell
  * addresses on the new communicator (so every rank serves requests: a rank that did not start
  * its thread keeps every other rank on the Python path). */

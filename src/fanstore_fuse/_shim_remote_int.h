@@ -77,6 +77,8 @@ struct fsr_state {
     pthread_t thread, workers[WORKERS];
     int wake_fd, done_fd, bell_fd;
     struct sockaddr_in *peers; /* size entries; port 0: no bell */
+    int64_t *suspect_until;    /* size entries, ns of CLOCK_MONOTONIC: a rank that timed out or
+                                  refused a send */
     char *bell_table, bell_mine[BELL_RECORD];
     pthread_mutex_t lock; /* submitted, outq, jobs, done list */
     pthread_cond_t job_cond;
@@ -131,5 +133,7 @@ void fsr_offer(uint64_t blob, char *raw, size_t n); /* raw bytes for the disk ca
 const char *fsr_find_mpi(const char *path);
 void fsr_queue_out(int dest, int tag, char *buf, size_t n);
 void *fsr_thread(void *unused);
+void fsr_suspect(int rank); /* skipped by READs in C for SUSPECT_SECONDS */
+#define SUSPECT_SECONDS 30.0 /* as _cluster.SUSPECT_SECONDS */
 
 #endif

@@ -144,6 +144,7 @@ static int fsr_start_calls(void) {
                                      fanstore_blobs.stored[c->blob]};
             if (fsr_post(c->owner, FSR_TAG_REQUEST, (char *)h, sizeof(*h)) != 0) {
                 COUNT(peer_errors);
+                fsr_suspect(c->owner);
                 fsr_finish(c, -EIO);
             } else {
                 c->next = fsr_state.inflight;
@@ -210,12 +211,25 @@ static int fsr_receive(void) {
     return moved;
 }
 
+void fsr_suspect(int rank) {
+    if (fsr_state.suspect_until != NULL && rank >= 0 && rank < fsr_state.size)
+        __atomic_store_n(&fsr_state.suspect_until[rank], (int64_t)((fsr_now() + SUSPECT_SECONDS) * 1e9),
+                         __ATOMIC_RELAXED);
+}
+
+int fanstore_remote_suspect(int rank) {
+    int64_t *s = fsr_state.suspect_until;
+    return s != NULL && rank >= 0 && rank < fsr_state.size &&
+           __atomic_load_n(&s[rank], __ATOMIC_RELAXED) > (int64_t)(fsr_now() * 1e9);
+}
+
 static void fsr_expire(double t) {
     for (struct call **p = &fsr_state.inflight; *p;) {
         struct call *c = *p;
         if (c->deadline <= t) {
             *p = c->next;
             COUNT(timeouts);
+            fsr_suspect(c->owner);
             fsr_finish(c, -ETIMEDOUT);
         } else {
             p = &c->next;

@@ -65,6 +65,8 @@ static int take(uint64_t ino, uint64_t fh, uint64_t off, uint64_t size, struct r
     if (fanstore_blob_held(b) || (cache_loc != NULL && cache_loc[b] != 0) ||
         (raw > WHOLE_MAX && !(off == base && end - base == raw)))
         return 0;
+    if (fanstore_remote_suspect(own[b]))
+        return 0;
     *r = (struct rread){.ino = ino, .off = off, .blob = b, .lo = off - base, .hi = end - base,
                         .size = (uint32_t)size, .owner = own[b]};
     return 1;
