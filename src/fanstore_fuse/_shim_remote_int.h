@@ -44,6 +44,7 @@ struct call { /* one request of this rank, in flight */
     double deadline;
     fanstore_remote_done done;
     void *ctx;
+    int posted; /* its request was handed to MPI (under the lock) */
 };
 
 struct out { /* a message for the remote thread to send (a worker's reply) */
@@ -80,12 +81,13 @@ struct fsr_state {
     int64_t *suspect_until;    /* size entries, ns of CLOCK_MONOTONIC: a rank that timed out or
                                   refused a send */
     char *bell_table, bell_mine[BELL_RECORD];
-    pthread_mutex_t lock; /* submitted, outq, jobs, done list */
+    pthread_mutex_t lock; /* inflight, outq, jobs, the Python done list */
     pthread_cond_t job_cond;
-    struct call *submitted;
     struct out *outq;
     struct job *jobs;
-    struct call *inflight; /* the remote thread's only */
+    struct call *inflight; /* every call not finished (under the lock): deadlines are enforced
+                              by the workers too, so a remote thread stuck in MPI (a peer's
+                              netmod hanging on a dead node) never leaves a reader waiting */
     struct sending *sends;
     size_t nsends, capsends;
     uint64_t next_id;
@@ -134,6 +136,8 @@ const char *fsr_find_mpi(const char *path);
 void fsr_queue_out(int dest, int tag, char *buf, size_t n);
 void *fsr_thread(void *unused);
 void fsr_suspect(int rank); /* skipped by READs in C for SUSPECT_SECONDS */
+void fsr_reap(double t, int all); /* finish calls past their deadline (all: every call) */
+struct call *fsr_unlink_call(uint64_t id); /* the call of this id, taken out of inflight */
 #define SUSPECT_SECONDS 30.0 /* as _cluster.SUSPECT_SECONDS */
 
 #endif

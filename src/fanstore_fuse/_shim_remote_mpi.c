@@ -127,32 +127,32 @@ static void fsr_post_gather(void) {
 }
 
 static int fsr_start_calls(void) {
+    struct fsr_header *todo[64];
+    int n = 0;
     pthread_mutex_lock(&fsr_state.lock);
-    struct call *c = fsr_state.submitted;
-    fsr_state.submitted = NULL;
+    for (struct call *c = fsr_state.inflight; c != NULL && n < 64; c = c->next) {
+        if (c->posted || (todo[n] = malloc(sizeof(struct fsr_header))) == NULL)
+            continue; /* no memory: its deadline ends it */
+        c->posted = 1;
+        *todo[n++] = (struct fsr_header){FSR_MAGIC, FSR_VERSION, FSR_OP_FETCH, c->owner, c->id, c->blob, 0,
+                                         fanstore_blobs.stored[c->blob]};
+    }
     struct out *o = fsr_state.outq;
     fsr_state.outq = NULL;
     pthread_mutex_unlock(&fsr_state.lock);
-    int moved = c != NULL || o != NULL;
-    while (c != NULL) {
-        struct call *next = c->next;
-        struct fsr_header *h = malloc(sizeof(*h));
-        if (h == NULL) {
-            fsr_finish(c, -ENOMEM);
-        } else {
-            *h = (struct fsr_header){FSR_MAGIC, FSR_VERSION, FSR_OP_FETCH, 0, c->id, c->blob, 0,
-                                     fanstore_blobs.stored[c->blob]};
-            if (fsr_post(c->owner, FSR_TAG_REQUEST, (char *)h, sizeof(*h)) != 0) {
-                COUNT(peer_errors);
-                fsr_suspect(c->owner);
+    for (int i = 0; i < n; i++) {
+        int owner = todo[i]->err; /* carried here until sent: a request's err is 0 */
+        uint64_t id = todo[i]->id;
+        todo[i]->err = 0;
+        if (fsr_post(owner, FSR_TAG_REQUEST, (char *)todo[i], sizeof(struct fsr_header)) != 0) {
+            COUNT(peer_errors);
+            fsr_suspect(owner);
+            struct call *c = fsr_unlink_call(id);
+            if (c != NULL)
                 fsr_finish(c, -EIO);
-            } else {
-                c->next = fsr_state.inflight;
-                fsr_state.inflight = c;
-            }
         }
-        c = next;
     }
+    int moved = n > 0 || o != NULL;
     while (o != NULL) {
         struct out *next = o->next;
         fsr_post(o->dest, o->tag, o->buf, o->n);
@@ -223,20 +223,6 @@ int fanstore_remote_suspect(int rank) {
            __atomic_load_n(&s[rank], __ATOMIC_RELAXED) > (int64_t)(fsr_now() * 1e9);
 }
 
-static void fsr_expire(double t) {
-    for (struct call **p = &fsr_state.inflight; *p;) {
-        struct call *c = *p;
-        if (c->deadline <= t) {
-            *p = c->next;
-            COUNT(timeouts);
-            fsr_suspect(c->owner);
-            fsr_finish(c, -ETIMEDOUT);
-        } else {
-            p = &c->next;
-        }
-    }
-}
-
 void *fsr_thread(void *unused) {
     (void)unused;
     double due = 0; /* the current poll interval while polling */
@@ -266,7 +252,7 @@ void *fsr_thread(void *unused) {
             if (fsr_state.nsends)
                 moved |= fsr_progress_sends();
             if (fsr_state.inflight)
-                fsr_expire(fsr_now());
+                fsr_reap(fsr_now(), 0);
         }
         if (moved) {
             due = 0;
@@ -297,12 +283,7 @@ void *fsr_thread(void *unused) {
         }
     }
     /* stopping: what is in flight will not be answered */
-    fsr_start_calls();
-    while (fsr_state.inflight) {
-        struct call *c = fsr_state.inflight;
-        fsr_state.inflight = c->next;
-        fsr_finish(c, -ECANCELED);
-    }
+    fsr_reap(0, 1);
     double end = fsr_now() + 1.0; /* let replies already posted reach their requesters */
     while (fsr_state.nsends && fsr_now() < end) {
         fsr_progress_sends();
