@@ -148,8 +148,9 @@ class CRemote:
         while True:
             await trio.lowlevel.wait_readable(self.fd)
             for call, status, data in take():
-                if isinstance(call, int):  # fetched for a READ in C
+                if isinstance(call, int):  # fetched for a READ in C: it was not in the cache
                     if cache is not None:
+                        cache.miss()
                         cache.put(call, data)
                     continue
                 call.status, call.data = status, data
