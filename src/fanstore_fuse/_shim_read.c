@@ -31,6 +31,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
@@ -66,8 +67,9 @@ struct job {
 static pthread_mutex_t qlock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t qcond = PTHREAD_COND_INITIALIZER;
 static struct job queue[QUEUE];
-static unsigned qhead, qlen;
+static unsigned qhead, qlen, busy; /* queued, and being served by a thread */
 static int started;
+static int (*session_fd)(struct fuse_session *);
 
 /* Whether blob b can be read here for a READ. */
 static int blob_ok(uint64_t b) {
@@ -189,11 +191,15 @@ static void *worker_main(void *arg) {
         struct job jb = queue[qhead];
         qhead = (qhead + 1) % QUEUE;
         qlen--;
+        busy++;
         pthread_mutex_unlock(&qlock);
         if (serve(&jb, 0, &w) == FANSTORE_BLOB_OK)
             count(&jb, 0);
         else
             to_python(&jb);
+        pthread_mutex_lock(&qlock);
+        busy--;
+        pthread_mutex_unlock(&qlock);
     }
     return NULL;
 }
@@ -210,6 +216,19 @@ static int enqueue(const struct job *jb) {
     return ok;
 }
 
+/* Nothing else to do: no READ queued or being served by a thread, and no request waiting on
+ * /dev/fuse. A small cold READ is then read on the FUSE thread itself (GIL released): a thread
+ * hop costs two wake-ups, and with nothing else waiting nothing is serialized behind it. */
+static int alone(void) {
+    pthread_mutex_lock(&qlock);
+    int idle = qlen == 0 && busy == 0;
+    pthread_mutex_unlock(&qlock);
+    if (!idle || session_fd == NULL || fanstore_session == NULL)
+        return 0;
+    struct pollfd p = {.fd = session_fd(fanstore_session), .events = POLLIN};
+    return poll(&p, 1, 0) == 0;
+}
+
 static void read_in_c(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
                       struct fuse_file_info *fi) {
     if (off < 0 || !read_here(ino, fi->fh, (uint64_t)off, size)) {
@@ -217,11 +236,19 @@ static void read_in_c(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
         return;
     }
     struct job jb = {req, ino, (uint64_t)off, (uint32_t)size};
+    static struct worker fuse_thread; /* only ever used on the one FUSE thread */
     if (size <= inline_max) {
-        static struct worker fuse_thread; /* only ever used on the one FUSE thread */
         if (serve(&jb, 1, &fuse_thread) == FANSTORE_BLOB_OK) {
             count(&jb, 1);
             return;
+        }
+        if (alone()) {
+            int r;
+            Py_BEGIN_ALLOW_THREADS r = serve(&jb, 0, &fuse_thread);
+            Py_END_ALLOW_THREADS if (r == FANSTORE_BLOB_OK) {
+                count(&jb, 1);
+                return;
+            }
         }
     }
     if (!enqueue(&jb))
@@ -229,6 +256,7 @@ static void read_in_c(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
 }
 
 void fanstore_patch_read(struct fuse_lowlevel_ops *ops) {
+    session_fd = (int (*)(struct fuse_session *))fanstore_libfuse_symbol("fuse_session_fd");
     reply_buf = (reply_buf_t)fanstore_libfuse_symbol("fuse_reply_buf");
     reply_err = (reply_err_t)fanstore_libfuse_symbol("fuse_reply_err");
     if (ops->read == NULL || reply_buf == NULL || reply_err == NULL || nthreads == 0)
