@@ -16,9 +16,11 @@
  *   pyfuse3's read handler, unchanged; the test is a pure function of the request and the held
  *   columns, so _shim_open.c's request loop may use it too (fanstore_read_answered).
  * - where: a READ of at most `inline_max` bytes is first tried on the FUSE thread from the
- *   page cache alone (RWF_NOWAIT preads: no disk wait, no thread hop); otherwise, or when that
- *   would wait, it is queued to a small pool of threads (no GIL) that pread, verify, decode and
- *   reply (libfuse's reply calls are thread-safe).
+ *   page cache alone (RWF_NOWAIT preads: no disk wait, no thread hop); when that would wait
+ *   and nothing else is to be done (alone()), it is read there, GIL released; otherwise it is
+ *   queued to a pool of threads (no GIL; FANSTORE_FASTREAD_THREADS, 16: a libaio reader's
+ *   16 requests reach the disk together) that pread, verify, decode and reply (libfuse's
+ *   reply calls are thread-safe).
  * - errors: nothing that failed a check is ever sent. On any error in C (checksum, short read,
  *   I/O error, decode) the thread takes the GIL and calls Python's fallback (_fastread: the
  *   same read through Operations.read on the trio thread, which logs, counts, tries other
@@ -37,6 +39,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "_shim_blobs.h"
 #include "_shim_dataset.h"
@@ -216,17 +219,32 @@ static int enqueue(const struct job *jb) {
     return ok;
 }
 
-/* Nothing else to do: no READ queued or being served by a thread, and no request waiting on
- * /dev/fuse. A small cold READ is then read on the FUSE thread itself (GIL released): a thread
- * hop costs two wake-ups, and with nothing else waiting nothing is serialized behind it. */
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static int fuse_waiting(void) {
+    struct pollfd p = {.fd = session_fd(fanstore_session), .events = POLLIN};
+    return poll(&p, 1, 0) != 0;
+}
+
+/* Nothing else to do: no READ queued or being served by a thread, no request waiting on
+ * /dev/fuse, and none came in during the last such read (else readers are concurrent: for
+ * CONTENDED_NS, their reads go to the threads, so that their disk reads overlap). A small cold
+ * READ is then read on the FUSE thread itself (GIL released): a thread hop costs two
+ * wake-ups, and with nothing else waiting nothing is serialized behind it. */
+#define CONTENDED_NS 20000000
+static int64_t contended_until;
+
 static int alone(void) {
+    if (session_fd == NULL || fanstore_session == NULL || now_ns() < contended_until)
+        return 0;
     pthread_mutex_lock(&qlock);
     int idle = qlen == 0 && busy == 0;
     pthread_mutex_unlock(&qlock);
-    if (!idle || session_fd == NULL || fanstore_session == NULL)
-        return 0;
-    struct pollfd p = {.fd = session_fd(fanstore_session), .events = POLLIN};
-    return poll(&p, 1, 0) == 0;
+    return idle && !fuse_waiting();
 }
 
 static void read_in_c(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
@@ -245,7 +263,8 @@ static void read_in_c(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
         if (alone()) {
             int r;
             Py_BEGIN_ALLOW_THREADS r = serve(&jb, 0, &fuse_thread);
-            Py_END_ALLOW_THREADS if (r == FANSTORE_BLOB_OK) {
+            Py_END_ALLOW_THREADS if (fuse_waiting()) contended_until = now_ns() + CONTENDED_NS;
+            if (r == FANSTORE_BLOB_OK) {
                 count(&jb, 1);
                 return;
             }
