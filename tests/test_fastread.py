@@ -6,18 +6,22 @@ byte for byte with the source, with C's counters, `FANSTORE_FASTREAD=0`, a corru
 
 from __future__ import annotations
 
+import errno
 import importlib.util
+import mmap
 import os
 import random
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from _harness import prep_cli
+from _harness import mounted, prep_cli, status_ranks, status_totals
 
 from fanstore_fuse import _fastclose, _fastread
 from fanstore_fuse._blobstore import BlobStore
 from fanstore_fuse._format import CODEC_FRAMED, MANIFEST_NAME, read_manifest
+from fanstore_fuse._namespace import Namespace
 
 KiB, MiB = 1 << 10, 1 << 20
 CORRUPT = -4  # FANSTORE_BLOB_CORRUPT
@@ -145,3 +149,144 @@ def test_corrupt_stored_bytes_never_come_back(tmp_path: Path):
         shim.drop_blobs()
         store.close()
         good.close()
+
+
+# ---------------------------------------------------------------------------- real mounts
+
+
+def _shim_counts(m) -> list[dict[str, int]]:
+    return [r["fuse_shim"] for r in status_ranks(m.status())]
+
+
+def _odirect_ranges(size: int, frame: int = 64 * KiB, chunk: int = MiB) -> list[tuple[int, int]]:
+    """4 KiB-aligned (offset, length) pairs: the start, frame and chunk boundaries straddled,
+    random places, the tail."""
+    if size == 0:
+        return [(0, 4096)]
+    out = [(0, 4096), (0, 128 * KiB)]
+    for edge in list(range(frame, size, frame))[:6] + list(range(chunk, size, chunk)):
+        out.append((edge - 4096, 8192))  # straddles it
+    rng = random.Random(size)
+    out += [(rng.randrange(0, size) // 4096 * 4096, rng.choice([4096, 12288, 200 * KiB]))
+            for _ in range(12)]
+    out.append((max(0, size - 5000) // 4096 * 4096, 8192))
+    return out
+
+
+def _read_odirect(path: Path, ranges: list[tuple[int, int]]) -> list[bytes]:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    buf = mmap.mmap(-1, 256 * KiB)
+    try:
+        got = []
+        for off, n in ranges:
+            k = os.preadv(fd, [memoryview(buf)[:n]], off)
+            got.append(bytes(buf[:k]))
+        return got
+    finally:
+        os.close(fd)
+        buf.close()
+
+
+def _check_files(root: Path, files: dict[str, bytes]) -> None:
+    for rel, data in files.items():
+        assert (root / rel).read_bytes() == data, rel
+        ranges = _odirect_ranges(len(data))
+        for (off, n), got in zip(ranges, _read_odirect(root / rel, ranges)):
+            assert got == data[off:off + n], (rel, off, n)
+
+
+@pytest.mark.mount
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["raw", "zstd", "dict"])
+def test_one_rank_reads_every_file_in_c(tmp_path: Path, state_dir: Path, kind: str):
+    _need_shim()
+    _, dest, files = _prep(tmp_path, kind)
+    with mounted(dest, tmp_path / "mnt", state_dir, local=tmp_path / "local") as m:
+        _check_files(m.path, files)
+        if kind == "raw":  # concurrent readers: threads at random ranges of every file
+            def reader(seed: int) -> None:
+                rng = random.Random(seed)
+                for _ in range(150):
+                    rel = rng.choice(list(files))
+                    data = files[rel]
+                    off = rng.randrange(0, max(1, len(data)))
+                    n = rng.choice([1, 4096, 100_000, MiB + 3])
+                    with open(m.path / rel, "rb") as f:
+                        f.seek(off)
+                        assert f.read(n) == data[off:off + n], (rel, off, n)
+            with ThreadPoolExecutor(8) as pool:
+                list(pool.map(reader, range(8)))
+        (c,) = _shim_counts(m)
+        st = status_totals(m.status())
+    # Every READ was answered in C: nothing reached Python's read path, nothing fell back.
+    assert c["c_reads"] >= len(files) and c["c_read_fallbacks"] == 0, c
+    assert st["local_reads"] == 0 and st["errors"] == 0, st
+
+
+@pytest.mark.mount
+@pytest.mark.timeout(180)
+def test_fastread_off_reads_through_python(tmp_path: Path, state_dir: Path):
+    _need_shim()
+    _, dest, files = _prep(tmp_path, "zstd")
+    with mounted(dest, tmp_path / "mnt", state_dir, env={"FANSTORE_FASTREAD": "0"}) as m:
+        _check_files(m.path, files)
+        (c,) = _shim_counts(m)
+        st = status_totals(m.status())
+    assert c.get("c_reads", 0) == 0 and st["local_reads"] > 0, (c, st)
+
+
+@pytest.mark.mount
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["raw", "zstd"])
+def test_corrupt_local_partition_gives_eio_and_python_logs_it(tmp_path: Path, state_dir: Path,
+                                                              kind: str):
+    _need_shim()
+    _, dest, files = _prep(tmp_path, kind)
+    man = read_manifest(dest / MANIFEST_NAME)
+    ns = Namespace(man)
+    rel = "f/08.bin"  # 3 MiB + : chunks of 1 MiB, framed
+    blobs = ns.blobs(ns.resolve(rel.encode()))
+    small = "f/04.bin"  # 100,000 bytes: one whole blob
+    (sblob,) = ns.blobs(ns.resolve(small.encode()))
+    local = tmp_path / "local"
+    with mounted(dest, tmp_path / "mnt", state_dir, local=local) as m:
+        for b in (blobs[1], sblob):  # the middle of chunk 1, and the small file's only blob
+            part = local / man.partitions[man.blobs["part"][b]].name
+            with open(part, "r+b") as f:  # same inode: the daemon's descriptors see it
+                pos = man.blobs["offset"][b] + man.blobs["stored"][b] // 2
+                f.seek(pos)
+                x = f.read(1)
+                f.seek(pos)
+                f.write(bytes([x[0] ^ 0x20]))
+        for path in (m.path / rel, m.path / small):
+            with pytest.raises(OSError) as ei:
+                path.read_bytes()
+            assert ei.value.errno == errno.EIO
+        # Chunk 0 and other files still read, in C.
+        assert _read_odirect(m.path / rel, [(0, 8192)])[0] == files[rel][:8192]
+        assert (m.path / "f/05.bin").read_bytes() == files["f/05.bin"]
+        (c,) = _shim_counts(m)
+        st = status_totals(m.status())
+        m.umount()
+        log = m.log_text()
+    assert c["c_read_fallbacks"] >= 2 and st["errors"] >= 2, (c, st)
+    for name in (rel, small):
+        assert [ln for ln in log.splitlines()
+                if name in ln and ("checksum" in ln or "corrupt" in ln)], log[-3000:]
+
+
+@pytest.mark.mount
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_three_ranks_read_held_blobs_in_c(tmp_path: Path, state_dir: Path):
+    _need_shim()
+    _, dest, files = _prep(tmp_path, "dict")
+    with mounted(dest, tmp_path / "mnt" / "{rank}", state_dir, ranks=3,
+                 local=tmp_path / "local" / "{rank}") as m:
+        for mp in m.mountpoints:
+            _check_files(Path(mp), files)
+        ranks = status_ranks(m.status())
+    for r in ranks:  # every rank read its own blobs in C and the others' over MPI
+        c, s = r["fuse_shim"], r["stats"]
+        assert c["c_reads"] > 0 and c["c_read_fallbacks"] == 0, r
+        assert s["remote_reads"] > 0 and s["errors"] == 0, r

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 
+import trio
+
 from . import _fastclose, _fastread
 from ._namespace import Namespace
 
@@ -42,15 +44,34 @@ def enable(ns: Namespace, timeout: float, linger_us: int = 0) -> bool:
     return True
 
 
+def linger_with_trio() -> bool:
+    """In the trio run: let the shim's request loop keep answering while trio has nothing to
+    do (no runnable task, no other thread or signal waking it; see `_shim_open.c`). Uses
+    trio's runner internals (checked here); False, and the plain linger, where they are not
+    there."""
+    shim = _fastclose._shim
+    if shim is None or not hasattr(shim, "linger_trio"):
+        return False
+    try:
+        runner = trio._core._run.GLOBAL_RUN_CONTEXT.runner
+        shim.linger_trio(runner.entry_queue.wakeup.wakeup_sock.fileno(),
+                         runner.io_manager._force_wakeup.wakeup_sock.fileno(), runner.runq)
+    except (AttributeError, TypeError, ValueError, OSError) as err:
+        log.info("FUSE request loop: plain linger (%s)", err)
+        return False
+    return True
+
+
 def counts() -> dict[str, int]:
     """Requests the C shim answered in this process: opens, releases and getattrs of dataset
     files, opens given FOPEN_NOFLUSH, opendirs given FOPEN_CACHE_DIR, reads (`_fastread`)."""
     shim = _fastclose._shim
     if shim is None:
         return {}
-    opens, releases, getattrs, lingered = (shim.fast_counts() if hasattr(shim, "fast_counts")
-                                           else (0, 0, 0, 0))
+    opens, releases, getattrs, lingered, returns, busy = (
+        shim.fast_counts() if hasattr(shim, "fast_counts") else (0,) * 6)
     return {"c_opens": int(opens), "c_releases": int(releases), "c_getattrs": int(getattrs),
-            "c_lingered": int(lingered),
+            "c_lingered": int(lingered), "c_trio_returns": int(returns),
+            "c_trio_busy": int(busy),
             "noflush_opens": _fastclose.noflush_opens(),
             "cached_listings": _fastclose.cached_listings(), **_fastread.counts()}

@@ -16,7 +16,7 @@ from typing import Any, TypeVar, cast
 
 import pyfuse3
 
-from . import _cremote, _fastread
+from . import _cremote, _fastopen, _fastread
 from ._errors import FanstoreError, InvalidArgument, ReadOnly
 from ._fastclose import PLAIN_FH, cache_listing, plain_entries, serve_dataset
 from ._namespace import Record
@@ -74,9 +74,11 @@ class Operations(pyfuse3.Operations):
 
     def init(self) -> None:
         """pyfuse3 calls it in the trio run before the first request: the C shim's READs (when
-        `_fastread.enable`d) start here, with `read` as their fallback."""
+        `_fastread.enable`d) start here, with `read` as their fallback, and its request loop
+        learns when trio has work (`_fastopen.linger_with_trio`)."""
         _fastread.start(self.read)
         _cremote.start_reads(self.read)  # READs of blobs held elsewhere, when the C thread runs
+        _fastopen.linger_with_trio()
 
     def _hand_to_c(self) -> None:
         """Once the dataset's metadata is answered from the local map (at once on one rank,

@@ -57,6 +57,7 @@ typedef struct fuse_session *(*session_new_t)(struct fuse_args *, const struct f
 
 static struct fuse_lowlevel_ops patched_ops;
 static int sessions_patched;
+struct fuse_session *fanstore_session;
 
 struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_lowlevel_ops *op,
                                       size_t op_size, void *userdata) {
@@ -72,7 +73,8 @@ struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_
     fanstore_patch_read(&patched_ops);
     fanstore_patch_remote(&patched_ops); /* after READ's: it hands on what it does not take */
     sessions_patched++;
-    return real(args, &patched_ops, sizeof(patched_ops), userdata);
+    fanstore_session = real(args, &patched_ops, sizeof(patched_ops), userdata);
+    return fanstore_session;
 }
 
 int fuse_reply_open(fuse_req_t req, const struct fuse_file_info *fi) {
@@ -156,7 +158,8 @@ static PyMethodDef methods[] = {
     {"mark_dir", mark_dir, METH_O, "mark_dir(fh): cache the listing of the next opendir reply"},
     {"dirs", dirs, METH_NOARGS, "dirs(): opendir replies sent with cache_readdir so far"},
     {"fast_open", fanstore_fast_open, METH_VARARGS, "fast_open(linger_us, timeout): OPEN/RELEASE/GETATTR of the held dataset's files in C"},
-    {"fast_counts", fanstore_fast_counts, METH_NOARGS, "fast_counts(): (opens, releases, getattrs, lingered) in C"},
+    {"fast_counts", fanstore_fast_counts, METH_NOARGS, "fast_counts(): (opens, releases, getattrs, lingered, returns to trio) in C"},
+    {"linger_trio", fanstore_linger_trio, METH_VARARGS, "linger_trio(epoll_fd, runq): linger while trio has nothing to do"},
     FANSTORE_READDIR_METHODS
     FANSTORE_BLOBS_METHODS
     FANSTORE_REMOTE_METHODS

@@ -11,7 +11,7 @@
 | `FANSTORE_NOFLUSH` | 1 | writable mount: open read-only files with FOPEN_NOFLUSH (0: flush every close) |
 | `FANSTORE_FASTOPEN` | 1 | answer OPEN/RELEASE of dataset files in the C shim (0: in Python) |
 | `FANSTORE_FASTREAD` | 1 | answer READ of dataset files held here in the C shim (0: in Python) |
-| `FANSTORE_FASTREAD_THREADS` | 4 | the C shim's reader threads |
+| `FANSTORE_FASTREAD_THREADS` | 16 | the C shim's reader threads |
 | `FANSTORE_FASTREAD_INLINE` | 131072 | C READs this small first tried from the page cache inline (0: never) |
 | `FANSTORE_FUSE_LINGER_US` | 200 | after a request answered in C, wait for the next (us; 0: back to trio) |
 | `FANSTORE_MPI_REPLY_POLL` | 2e-05 | first poll interval (s) while replies are due (0: idle backoff) |
@@ -94,7 +94,7 @@ class Settings:
     fast_open: int = 1
     fuse_linger_us: int = 200
     fast_read: int = 1
-    fast_read_threads: int = 4
+    fast_read_threads: int = 16
     fast_read_inline: int = 128 << 10
     mpi_inline: int = 1
     mpi_backoff: float = 2.0

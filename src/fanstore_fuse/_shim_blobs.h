@@ -1,8 +1,9 @@
 /* The manifest's blob columns and this rank's local copies of the partitions, held once for
- * the shim's reads in C (_shim_blobs.c), and what can be done with one blob without Python:
- * whether it is held here, pread of its stored bytes, decode + verify (codecs 0-3, xxh3 seeded
- * as _format.checksum), and framed blobs (codec 3) read in part: the frame table checked
- * against the manifest and kept, frames k0..k1 decoded and checked.
+ * the shim's reads in C (_shim_blobs.c), and what can be done with one blob without Python
+ * (decoding and frames: _shim_frames.c): whether it is held here, pread of its stored bytes,
+ * decode + verify (codecs 0-3, xxh3 seeded as _format.checksum), and framed blobs (codec 3)
+ * read in part: the frame table checked against the manifest and kept, frames k0..k1 decoded
+ * and checked.
  *
  * Every function is thread-safe and needs no GIL: the columns are read-only once held, the
  * frame-table cache has its own lock, each thread has its own zstd context. Python hands the
@@ -120,6 +121,8 @@ void fanstore_scratch_free(struct fanstore_scratch *s);
  * its next use). OK, AGAIN (nowait), NOT_HELD, IO, CORRUPT or NOMEM. */
 int fanstore_blob_range(uint64_t blob, uint64_t lo, uint64_t hi, int nowait,
                         struct fanstore_scratch *s, const char **out);
+
+void fanstore_tables_drop(void); /* every cached frame table released (drop_blobs) */
 
 #ifdef Py_PYTHON_H /* the module's functions, for _noflush.c's method table */
 PyObject *fanstore_py_hold_blobs(PyObject *self, PyObject *args);

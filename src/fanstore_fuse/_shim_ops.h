@@ -7,6 +7,7 @@
 #include <fuse_lowlevel.h>
 
 void *fanstore_libfuse_symbol(const char *name); /* libfuse3's own definition of `name` */
+extern struct fuse_session *fanstore_session;   /* the patched session (_noflush.c), or NULL */
 
 void fanstore_patch_readdir(struct fuse_lowlevel_ops *ops); /* _shim_readdir.c */
 void fanstore_patch_open(struct fuse_lowlevel_ops *ops);    /* _shim_open.c */
@@ -19,6 +20,7 @@ int fanstore_read_answered(uint64_t ino, const void *body, size_t left);
 #ifdef Py_PYTHON_H /* the module's functions defined next to their patch */
 PyObject *fanstore_fast_open(PyObject *self, PyObject *args);     /* _shim_open.c */
 PyObject *fanstore_fast_counts(PyObject *self, PyObject *unused); /* _shim_open.c */
+PyObject *fanstore_linger_trio(PyObject *self, PyObject *args);    /* _shim_open.c */
 PyObject *fanstore_py_fast_read(PyObject *self, PyObject *args);    /* _shim_read.c */
 PyObject *fanstore_py_read_start(PyObject *self, PyObject *fallback);
 PyObject *fanstore_py_read_counts(PyObject *self, PyObject *unused);

@@ -16,9 +16,11 @@
  *   pyfuse3's read handler, unchanged; the test is a pure function of the request and the held
  *   columns, so _shim_open.c's request loop may use it too (fanstore_read_answered).
  * - where: a READ of at most `inline_max` bytes is first tried on the FUSE thread from the
- *   page cache alone (RWF_NOWAIT preads: no disk wait, no thread hop); otherwise, or when that
- *   would wait, it is queued to a small pool of threads (no GIL) that pread, verify, decode and
- *   reply (libfuse's reply calls are thread-safe).
+ *   page cache alone (RWF_NOWAIT preads: no disk wait, no thread hop); when that would wait
+ *   and nothing else is to be done (alone()), it is read there, GIL released; otherwise it is
+ *   queued to a pool of threads (no GIL; FANSTORE_FASTREAD_THREADS, 16: a libaio reader's
+ *   16 requests reach the disk together) that pread, verify, decode and reply (libfuse's
+ *   reply calls are thread-safe).
  * - errors: nothing that failed a check is ever sent. On any error in C (checksum, short read,
  *   I/O error, decode) the thread takes the GIL and calls Python's fallback (_fastread: the
  *   same read through Operations.read on the trio thread, which logs, counts, tries other
@@ -31,11 +33,13 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "_shim_blobs.h"
 #include "_shim_dataset.h"
@@ -66,8 +70,9 @@ struct job {
 static pthread_mutex_t qlock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t qcond = PTHREAD_COND_INITIALIZER;
 static struct job queue[QUEUE];
-static unsigned qhead, qlen;
+static unsigned qhead, qlen, busy; /* queued, and being served by a thread */
 static int started;
+static int (*session_fd)(struct fuse_session *);
 
 /* Whether blob b can be read here for a READ. */
 static int blob_ok(uint64_t b) {
@@ -189,11 +194,15 @@ static void *worker_main(void *arg) {
         struct job jb = queue[qhead];
         qhead = (qhead + 1) % QUEUE;
         qlen--;
+        busy++;
         pthread_mutex_unlock(&qlock);
         if (serve(&jb, 0, &w) == FANSTORE_BLOB_OK)
             count(&jb, 0);
         else
             to_python(&jb);
+        pthread_mutex_lock(&qlock);
+        busy--;
+        pthread_mutex_unlock(&qlock);
     }
     return NULL;
 }
@@ -210,6 +219,34 @@ static int enqueue(const struct job *jb) {
     return ok;
 }
 
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static int fuse_waiting(void) {
+    struct pollfd p = {.fd = session_fd(fanstore_session), .events = POLLIN};
+    return poll(&p, 1, 0) != 0;
+}
+
+/* Nothing else to do: no READ queued or being served by a thread, no request waiting on
+ * /dev/fuse, and none came in during the last such read (else readers are concurrent: for
+ * CONTENDED_NS, their reads go to the threads, so that their disk reads overlap). A small cold
+ * READ is then read on the FUSE thread itself (GIL released): a thread hop costs two
+ * wake-ups, and with nothing else waiting nothing is serialized behind it. */
+#define CONTENDED_NS 20000000
+static int64_t contended_until;
+
+static int alone(void) {
+    if (session_fd == NULL || fanstore_session == NULL || now_ns() < contended_until)
+        return 0;
+    pthread_mutex_lock(&qlock);
+    int idle = qlen == 0 && busy == 0;
+    pthread_mutex_unlock(&qlock);
+    return idle && !fuse_waiting();
+}
+
 static void read_in_c(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
                       struct fuse_file_info *fi) {
     if (off < 0 || !read_here(ino, fi->fh, (uint64_t)off, size)) {
@@ -217,11 +254,20 @@ static void read_in_c(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
         return;
     }
     struct job jb = {req, ino, (uint64_t)off, (uint32_t)size};
+    static struct worker fuse_thread; /* only ever used on the one FUSE thread */
     if (size <= inline_max) {
-        static struct worker fuse_thread; /* only ever used on the one FUSE thread */
         if (serve(&jb, 1, &fuse_thread) == FANSTORE_BLOB_OK) {
             count(&jb, 1);
             return;
+        }
+        if (alone()) {
+            int r;
+            Py_BEGIN_ALLOW_THREADS r = serve(&jb, 0, &fuse_thread);
+            Py_END_ALLOW_THREADS if (fuse_waiting()) contended_until = now_ns() + CONTENDED_NS;
+            if (r == FANSTORE_BLOB_OK) {
+                count(&jb, 1);
+                return;
+            }
         }
     }
     if (!enqueue(&jb))
@@ -229,6 +275,7 @@ static void read_in_c(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
 }
 
 void fanstore_patch_read(struct fuse_lowlevel_ops *ops) {
+    session_fd = (int (*)(struct fuse_session *))fanstore_libfuse_symbol("fuse_session_fd");
     reply_buf = (reply_buf_t)fanstore_libfuse_symbol("fuse_reply_buf");
     reply_err = (reply_err_t)fanstore_libfuse_symbol("fuse_reply_err");
     if (ops->read == NULL || reply_buf == NULL || reply_err == NULL || nthreads == 0)
