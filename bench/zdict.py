@@ -3,7 +3,9 @@
 Generates the npy/CSV part of a bench dataset (bench/_datasets.py, without the JPEG and large
 files), preps it with `--dict off` and `--dict auto`, then reads every file through a
 `--read-only` mount, 1 reader, cold (fresh mount, page cache dropped) and warm, `--rounds`
-times alternating the two images; prints sizes and the median files/s.
+times alternating the two images; prints sizes, the median files/s and the median of the
+daemon's CPU (user+sys) per file, which the load of a shared machine distorts much less (a
+pass is 400 files, well under a second: files/s swings 2-3x between identical passes).
 `python -m bench.zdict [--shape 3,96,96] [--files 400]`.
 """
 
@@ -20,7 +22,8 @@ from pathlib import Path
 
 from . import _datasets
 from ._fanstore import cli_command
-from ._util import dir_bytes, drop_caches, log
+from ._util import dir_bytes, drop_caches, log, teardown_all
+from .cost import Fan, cpu_seconds
 
 
 def _read_all(root: Path) -> tuple[int, float]:
@@ -61,32 +64,39 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([*cmd, "prep", str(src), str(d), "--partitions", "8", "--level",
                         str(cfg.level), "--dict", mode, "--quiet"], check=True, env=env)  # fmt: skip
         out[mode] = {"prep_s": time.perf_counter() - t0, "bytes": dir_bytes(d),
-                     "cold": [], "warm": []}  # fmt: skip
+                     "cold": [], "warm": [], "cold_cpu": [], "warm_cpu": []}  # fmt: skip
         dests[mode] = d
     load0 = os.getloadavg()[0]
-    for _ in range(cfg.rounds):
-        for mode, d in dests.items():
-            mp = work / f"mnt-{mode}"
-            mp.mkdir(exist_ok=True)
-            subprocess.run([*cmd, "mount", str(d), str(mp), "--read-only"], check=True, env=env,
-                           capture_output=True)  # fmt: skip
-            try:
-                drop_caches()
-                n, dt = _read_all(mp)
-                out[mode]["cold"].append(n / dt)
-                n, dt = _read_all(mp)
-                out[mode]["warm"].append(n / dt)
-            finally:
-                subprocess.run([*cmd, "umount", str(mp)], env=env, capture_output=True)
+    try:
+        for _ in range(cfg.rounds):
+            for mode, d in dests.items():
+                fan = Fan(work, d, f"z{mode}", 1, ["--read-only"], {})
+                try:
+                    for temp in ("cold", "warm"):
+                        if temp == "cold":
+                            drop_caches()
+                        pids = fan.pids()
+                        c0 = cpu_seconds(pids)
+                        n, dt = _read_all(Path(fan.mps[0]))
+                        out[mode][temp].append(n / dt)
+                        out[mode][f"{temp}_cpu"].append((cpu_seconds(pids) - c0) / n * 1e6)
+                finally:
+                    fan.close()
+    finally:
+        teardown_all()
     raw = dir_bytes(src)
     print(f"npy/CSV tree: {cfg.files} arrays {cfg.shape} float32 + labels.csv, {raw} bytes; "
           f"1 reader, {cfg.rounds} rounds (median); load average {load0:.2f} -> "
           f"{os.getloadavg()[0]:.2f}")  # fmt: skip
     print(f"{'prep':<12}{'image bytes':>14}{'ratio':>8}{'prep s':>8}{'cold files/s':>14}"
-          f"{'warm files/s':>14}")  # fmt: skip
+          f"{'warm files/s':>14}{'cold CPU us':>13}{'warm CPU us':>13}")  # fmt: skip
     for mode, r in out.items():
         print(f"--dict {mode:<5}{r['bytes']:>14}{raw / r['bytes']:>8.2f}{r['prep_s']:>8.1f}"
-              f"{statistics.median(r['cold']):>14.0f}{statistics.median(r['warm']):>14.0f}")
+              f"{statistics.median(r['cold']):>14.0f}{statistics.median(r['warm']):>14.0f}"
+              f"{statistics.median(r['cold_cpu']):>13.0f}{statistics.median(r['warm_cpu']):>13.0f}")
+        print(f"{'':12}per pass: cold {[round(x) for x in r['cold']]} files/s "
+              f"{[round(x) for x in r['cold_cpu']]} us; warm {[round(x) for x in r['warm']]} "
+              f"files/s {[round(x) for x in r['warm_cpu']]} us")
     log(f"scratch dir {work} removed")
     subprocess.run(["rm", "-rf", str(work)], check=False)
     return 0

@@ -219,7 +219,15 @@ def test_sigterm_of_one_rank_others_keep_serving(src_tree, tmp_path, mount_facto
 
 @pytest.mark.timeout(180)
 def test_many_requests_in_flight(tmp_path, mount_factory):
-    """64 concurrent readers of files held elsewhere keep dozens of MPI requests in flight."""
+    """64 concurrent readers of files held elsewhere keep dozens of MPI requests in flight.
+
+    The holder (rank 1) is stopped while the readers start, so every remote read stays open
+    until it continues: the peak then shows whether rank 0 sends a request without waiting for
+    the earlier answers (FanStore asked one at a time), not whether a loaded machine let the
+    readers ask faster than rank 1 answered (a free-running pass peaked at 6 beside two CPU hogs)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
     src = tmp_path / "many"
     src.mkdir()
     rng = __import__("random").Random(5)
@@ -227,16 +235,45 @@ def test_many_requests_in_flight(tmp_path, mount_factory):
     for name, data in blobs.items():
         (src / name).write_bytes(data)
     dest = prep_cli(src, tmp_path / "dest", "-p", "2", "--codec", "none")
-    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=2)
+    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=2,
+                      extra_args=["--peer-timeout", "60"])
+    st = m.state()
+    assert st is not None
+    holder = st.pids[1]
     root = Path(m.mountpoints[0])
     names = sorted(blobs)
-    from concurrent.futures import ThreadPoolExecutor
+    lock = threading.Lock()
+    open_reads = [0, 0]  # now, most at once while the holder was stopped
 
     def read(name: str) -> bool:
-        return (root / name).read_bytes() == blobs[name]
+        with lock:
+            open_reads[0] += 1
+        try:
+            return (root / name).read_bytes() == blobs[name]
+        finally:
+            with lock:
+                open_reads[0] -= 1
 
-    with ThreadPoolExecutor(64) as pool:
-        assert all(pool.map(read, names))
+    os.kill(holder, signal.SIGSTOP)
+    stopped = True
+    try:
+        with ThreadPoolExecutor(64) as pool:
+            results = pool.map(read, names)
+            t_end = time.monotonic() + 30  # until every reader waits on a remote file
+            since = None  # the time all 64 were first seen open, this streak
+            while time.monotonic() < t_end:
+                open_reads[1] = max(open_reads[1], open_reads[0])
+                since = (since or time.monotonic()) if open_reads[0] == 64 else None
+                if since is not None and time.monotonic() - since > 0.3:
+                    break
+                time.sleep(0.01)
+            os.kill(holder, signal.SIGCONT)
+            stopped = False
+            assert all(results)
+    finally:
+        if stopped:
+            os.kill(holder, signal.SIGCONT)
+    assert open_reads[1] == 64, open_reads
     ranks = status_ranks(m.status())
     assert ranks[0]["stats"]["remote_reads"] > 100
     peak = max(ranks[0]["peak_requests_in_flight"], ranks[0]["c_remote"].get("peak_in_flight", 0))

@@ -151,23 +151,33 @@ class BlobCache:
     however many readers wait.
 
     A failed fetch's error goes to the readers that waited on that fetch only; the next read
-    of the blob starts a new fetch.
+    of the blob starts a new fetch. A blob larger than the whole limit is not cached, but the
+    last BIG_SLOTS of them are kept beside the LRU: a reader of a chunk larger than the cache
+    (`FANSTORE_CACHE_BYTES` below the chunk size) then fetches it once, not once per 128 KiB
+    request (memory: the limit plus at most BIG_SLOTS such blobs).
     """
+
+    BIG_SLOTS = 2  # two readers streaming big blobs at once each keep theirs
 
     def __init__(self, fetch: Callable[[Hashable], Awaitable[bytes]], stats: Stats, limit: int):
         self._fetch = fetch
         self._stats = stats
         self._limit = limit
         self._data: OrderedDict[Hashable, bytes] = OrderedDict()
+        self._big: OrderedDict[Hashable, bytes] = OrderedDict()  # over the limit, last few
         self._bytes = 0
         self._pending: dict[Hashable, _Fetch] = {}
+
+    @property
+    def limit(self) -> int:
+        return self._limit
 
     def room(self, n: int) -> bool:
         """`n` more bytes fit without evicting anything."""
         return self._bytes + n <= self._limit
 
     def peek(self, blob: Hashable) -> bool:
-        return blob in self._data or blob in self._pending
+        return blob in self._data or blob in self._big or blob in self._pending
 
     async def fill(
         self, keys: list[Hashable], fetch_many: Callable[[int, int], Awaitable[list[bytes]]]
@@ -200,8 +210,10 @@ class BlobCache:
     async def get(self, blob: Hashable) -> bytes:
         while True:
             data = self._data.get(blob)
+            if data is None:
+                data = self._big.get(blob)
             if data is not None:
-                self._data.move_to_end(blob)
+                (self._data if blob in self._data else self._big).move_to_end(blob)
                 self._stats.cache_hits += 1
                 return data
             pending = self._pending.get(blob)
@@ -228,6 +240,9 @@ class BlobCache:
 
     def _insert(self, blob: Hashable, data: bytes) -> None:
         if len(data) > self._limit:
+            self._big[blob] = data
+            if len(self._big) > self.BIG_SLOTS:
+                self._big.popitem(last=False)
             return
         self._data[blob] = data
         self._bytes += len(data)
@@ -352,8 +367,11 @@ class Node:
                     log.error("blob %d: bad local frame, fetching the whole blob", first + k)
             parts.append((await self.cache.get(first + k))[lo:hi])
         out = parts[0] if len(parts) == 1 else b"".join(parts)
-        if self._nursery is not None and self.readahead and rec.count > 1:
-            for k in range(k1 + 1, min(rec.count, k1 + 1 + self.readahead)):
+        # read-ahead only what the cache holds beside the chunk being read: more would evict
+        # the reader's own chunk (none when a chunk alone exceeds the cache)
+        ahead = min(self.readahead, self.cache.limit // chunk - 1)
+        if self._nursery is not None and ahead > 0 and rec.count > 1:
+            for k in range(k1 + 1, min(rec.count, k1 + 1 + ahead)):
                 if not self.cache.peek(first + k) and not (frames and frames.usable(first + k)):
                     self._nursery.start_soon(self._prefetch, first + k)
         return out

@@ -2,7 +2,7 @@
 
 | variable | default | what |
 |---|---|---|
-| `FANSTORE_CACHE_BYTES` | 268435456 (256 MiB) | bytes of decoded blobs a daemon keeps (`BlobCache`) |
+| `FANSTORE_CACHE_BYTES` | 268435456 (256 MiB) | decoded blobs kept (`BlobCache`; + the last 2 bigger) |
 | `FANSTORE_THREAD_THRESHOLD` | 262144 (256 KiB) | blobs from this size on are decoded in a worker thread |
 | `FANSTORE_READAHEAD_CHUNKS` | 4 | chunks fetched ahead of a sequential reader |
 | `FANSTORE_MPI_SPIN` | 0 | `sleep(0)` polls of the MPI thread before it backs off |
