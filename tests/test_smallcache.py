@@ -50,7 +50,8 @@ def test_chunk_larger_than_the_cache_is_fetched_once(tmp_path: Path, mount_facto
     files = _write(tmp_path / "src")
     dest = prep_cli(tmp_path / "src", tmp_path / "dest", "-p", "2", "--chunk-mib", str(CHUNK_MIB))
     # 256 KiB of blob cache (64 KiB of frame cache): no chunk and no 128 KiB frame fits
-    m = mount_factory(dest, env={"FANSTORE_CACHE_BYTES": str(256 << 10)})
+    # Python's blob cache is what is tested: READs in C (`_fastread`) would bypass it
+    m = mount_factory(dest, env={"FANSTORE_CACHE_BYTES": str(256 << 10), "FANSTORE_FASTREAD": "0"})
 
     def fetches() -> int:
         return int(status_ranks(m.status())[0]["stats"]["local_reads"])
