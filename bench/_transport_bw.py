@@ -4,8 +4,9 @@ Run: ``.venv/bin/mpiexec -n 2 .venv/bin/python -m bench._transport_bw DEST [--sm
 
 Both ranks compose what a mount daemon composes (`compose` over `MpiTransport` with the
 settings of the environment, the same `Placement(2, 1)`, `BlobStore` over DEST's partitions, no
-FUSE). Rank 0 then fetches through `ClusterBlobSource` (request, the serving rank's handler,
-reply, verify, decode):
+FUSE) and start the C remote thread as a daemon does (`_cremote`; `FANSTORE_CREMOTE=0`: the
+Python transport; the JSON's `path` says which). Rank 0 then fetches through the rank's blob
+source (request, the serving rank's handler, reply, verify, decode):
 - ``small``: the blobs of at most 4 MiB that only rank 1 holds, one at a time: latency p50/p99
   and the CPU time (user+sys) of both processes per fetch;
 - ``large``: the 4 MiB blobs that only rank 1 holds, ``--window`` in flight (as the daemon's
@@ -33,6 +34,7 @@ from mpi4py import MPI  # noqa: E402
 
 from fanstore_fuse._blobstore import BlobStore  # noqa: E402
 from fanstore_fuse._compose import compose  # noqa: E402
+from fanstore_fuse._cremote import CRemote  # noqa: E402
 from fanstore_fuse._format import MANIFEST_NAME, read_manifest  # noqa: E402
 from fanstore_fuse._ring import Placement  # noqa: E402
 from fanstore_fuse._settings import Settings  # noqa: E402
@@ -136,6 +138,10 @@ def main() -> None:
     parts_ = compose(m, store, a.dest, pl, rank, lambda t: MpiTransport(comm, t, settings), None,
                      settings, warm_metadata=False)
     transport, source = parts_.transport, parts_.node.source
+    # the daemon's C remote thread (`_cremote`), as a mount starts it; FANSTORE_CREMOTE=0: Python
+    assert parts_.remote is not None
+    c_remote = CRemote.start(comm, store, parts_.remote, None, 10.0)
+    out["path"] = "C" if c_remote is not None else "python"
 
     client_threads: list[dict[str, float]] = []
 
@@ -201,6 +207,10 @@ def main() -> None:
     async def run() -> None:
         async with trio.open_nursery() as n:
             n.start_soon(transport.run)
+            if c_remote is not None:
+                n.start_soon(c_remote.run)
+                while not c_remote.shim.remote_stats()["ready"]:  # every rank's thread joined
+                    await trio.sleep(0.01)
             await (client() if rank == 0 else server())
             n.cancel_scope.cancel()
 

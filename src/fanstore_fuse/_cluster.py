@@ -42,6 +42,12 @@ from .writes import WriteStore
 
 log = logging.getLogger("fanstore_fuse.cluster")
 
+
+def _cremote_counts() -> dict[str, int]:
+    from ._cremote import counts  # _cremote imports this module
+
+    return counts()
+
 PEER_TIMEOUT = 10.0  # seconds before a silent holder is skipped for the next replica
 SUSPECT_SECONDS = 30.0  # a peer that timed out is tried last for this long
 
@@ -297,6 +303,11 @@ class StatusBoard:
         d: dict[str, object] = {"rank": self.rank, **self.node.local_status(), **self.held}
         d["host"] = socket.gethostname()
         d["fuse_shim"] = fastopen.counts()
+        d["c_remote"] = c = _cremote_counts()
+        stats = d["stats"]
+        if c.get("c_reads") and isinstance(stats, dict):  # blobs fetched for READs in C count too
+            stats["remote_reads"] += c["c_reads"]
+            stats["remote_bytes"] += c["c_read_bytes"]
         if self.writes is not None:
             d["writes"] = self.writes.status()
         if self.disk_cache is not None:

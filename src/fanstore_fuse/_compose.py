@@ -25,6 +25,7 @@ import trio
 from . import _stageout_all as stageout_all
 from ._blobstore import BlobStore
 from ._cluster import ClusterBlobSource, ClusterMetadata, StatusBoard, serve_handlers
+from ._cremote import CRemoteSource
 from ._diskcache import BLOCKED, CACHE_DIR, DiskCache, resolve_limit
 from ._format import Manifest
 from ._fsio import untouched_zeros
@@ -53,8 +54,11 @@ class Parts:
     warm: Callable[[], Awaitable[None]] | None
     stores: list[BlobStore] = field(default_factory=list)  # opened here (the DEST fallback)
     disk_cache: DiskCache | None = None
+    remote: CRemoteSource | None = None  # several ranks: the C thread, once `_cremote` started it
 
     def close(self) -> None:
+        if self.remote is not None:
+            self.remote.stop()
         if self.disk_cache is not None:
             self.disk_cache.close()
         for s in self.stores:
@@ -159,11 +163,14 @@ def compose(
     cluster = ClusterBlobSource(rank, placement, local, source_store, transport, stats,
                                 peer_timeout)
     source: BlobSource = cluster
+    remote: CRemoteSource | None = None
+    if placement.nranks > 1:
+        source = remote = CRemoteSource(cluster)
     disk_cache = None
     if placement.nranks > 1 and cache_dir is not None:
         disk_cache = open_disk_cache(manifest, cache_dir, settings)
     if disk_cache is not None:
-        source = CachingBlobSource(cluster, disk_cache, cluster.holds,
+        source = CachingBlobSource(source, disk_cache, cluster.holds,
                                    manifest.blobs["raw"], settings.thread_threshold)
     # With one rank every path is owned here: LocalMetadata gives ClusterMetadata's answers
     # without computing an owner per record (measured: ~4 us CPU less per lookup/getattr).
@@ -186,4 +193,4 @@ def compose(
             n = await cluster_meta.warm(placement.nranks)
             log.info("rank %d warmed %d metadata records", rank, n)
 
-    return Parts(view, node, transport, warm, parts_stores, disk_cache)
+    return Parts(view, node, transport, warm, parts_stores, disk_cache, remote)

@@ -21,6 +21,7 @@ from . import _fastopen as fastopen
 from . import _fastread as fastread
 from ._blobstore import BlobStore
 from ._compose import Parts, compose, open_transport
+from ._cremote import CRemote
 from ._errors import FanstoreError
 from ._fastclose import enable_noflush, patched_sessions
 from ._fsio import atomic_write
@@ -339,6 +340,10 @@ def serve(cfg: MountConfig) -> int:
     code = 0
     assert m.parts is not None  # set by the setup, which succeeded on every rank
     side: list[Callable[[], Awaitable[None]]] = [pages.run]
+    if m.parts.remote is not None:  # every rank gets here, or none: the allgather said so
+        c = CRemote.start(comm, ready.store, m.parts.remote, m.parts.disk_cache, cfg.peer_timeout)
+        if c is not None:
+            side.append(c.run)
     if nranks > 1 and cfg.writable:
         mine = {i["rank"] for i in here}
         others = [r for r in range(nranks) if r not in mine]

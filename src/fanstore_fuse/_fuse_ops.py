@@ -16,7 +16,7 @@ from typing import Any, TypeVar, cast
 
 import pyfuse3
 
-from . import _fastopen, _fastread
+from . import _cremote, _fastopen, _fastread
 from ._errors import FanstoreError, InvalidArgument, ReadOnly
 from ._fastclose import PLAIN_FH, cache_listing, plain_entries, serve_dataset
 from ._namespace import Record
@@ -77,6 +77,7 @@ class Operations(pyfuse3.Operations):
         `_fastread.enable`d) start here, with `read` as their fallback, and its request loop
         learns when trio has work (`_fastopen.linger_with_trio`)."""
         _fastread.start(self.read)
+        _cremote.start_reads(self.read)  # READs of blobs held elsewhere, when the C thread runs
         _fastopen.linger_with_trio()
 
     def _hand_to_c(self) -> None:

@@ -31,6 +31,7 @@
 #include "_shim_dataset.h"
 #include "_shim_ops.h"
 #include "_shim_readdir.h"
+#include "_shim_remote.h"
 
 typedef int (*reply_open_t)(fuse_req_t, const struct fuse_file_info *);
 
@@ -71,6 +72,7 @@ struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_
     fanstore_patch_readdir(&patched_ops);
     fanstore_patch_open(&patched_ops);
     fanstore_patch_read(&patched_ops);
+    fanstore_patch_remote(&patched_ops); /* after READ's: it hands on what it does not take */
     sessions_patched++;
     fanstore_session = real(args, &patched_ops, sizeof(patched_ops), userdata);
     return fanstore_session;
@@ -161,6 +163,7 @@ static PyMethodDef methods[] = {
     {"linger_trio", fanstore_linger_trio, METH_VARARGS, "linger_trio(epoll_fd, runq): linger while trio has nothing to do"},
     FANSTORE_READDIR_METHODS
     FANSTORE_BLOBS_METHODS
+    FANSTORE_REMOTE_METHODS
     {"fast_read", fanstore_py_fast_read, METH_VARARGS, "fast_read(threads, inline_max): patch READ of the held dataset's files (before pyfuse3.init)"},
     {"read_start", fanstore_py_read_start, METH_O, "read_start(fallback): answer READs in C from now on; fallback(fh, off, size) -> bytes | errno on errors"},
     {"read_counts", fanstore_py_read_counts, METH_NOARGS, "read_counts(): (reads, bytes, inline, fallbacks) in C"},

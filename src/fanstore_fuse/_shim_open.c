@@ -32,6 +32,7 @@
 
 #include "_shim_dataset.h"
 #include "_shim_ops.h"
+#include "_shim_remote.h"
 
 /* MountView.WRITE_FLAGS: an open with any of these goes to Python (EROFS there) */
 #define WRITE_FLAGS (O_WRONLY | O_RDWR | O_TRUNC | O_APPEND | O_CREAT)
@@ -150,7 +151,8 @@ static int answered_here(const struct fuse_buf *buf, int len) {
         memcpy(&u32, body, 4); /* fuse_open_in.flags */
         return open_here(h->nodeid, u32);
     case OP_READ:
-        return fanstore_read_answered(h->nodeid, body, left); /* _shim_read.c */
+        return fanstore_read_answered(h->nodeid, body, left) || /* _shim_read.c */
+               fanstore_remote_answered(h->nodeid, body, left); /* _shim_remote_read.c */
     case OP_RELEASE:
         if (left < 8)
             return 0;

@@ -1,0 +1,432 @@
+/* Remote blob reads in C: serving other ranks' requests, this rank's calls, the workers, the
+ * C API and the Python methods. The design and the wire format: _shim_remote.h; MPI and the
+ * remote thread: _shim_remote_mpi.c. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <signal.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+
+#include "_shim_remote_int.h"
+
+struct fsr_state fsr_state = {.lock = PTHREAD_MUTEX_INITIALIZER, .job_cond = PTHREAD_COND_INITIALIZER,
+                              .wake_fd = -1, .done_fd = -1, .bell_fd = -1};
+struct fsr_stats fsr_stats;
+
+/* ------------------------------------------------------------------ serving */
+
+char *fsr_error_reply(const struct fsr_header *req, int err, size_t *n) {
+    struct fsr_header *h = malloc(sizeof(*h));
+    if (h != NULL) {
+        *h = *req;
+        h->magic = FSR_MAGIC;
+        h->version = FSR_VERSION;
+        h->err = err;
+        h->lo = h->hi = 0;
+    }
+    *n = sizeof(*h);
+    return (char *)h;
+}
+
+/* The reply to `req`: bytes read (nowait: only from the page cache; NULL and *again set when
+ * the disk must be read), or an error reply. */
+char *fsr_serve(const struct fsr_header *req, int nowait, size_t *n, int *again) {
+    *again = 0;
+    if (req->magic != FSR_MAGIC || req->version != FSR_VERSION || req->op != FSR_OP_FETCH) {
+        COUNT(bad_requests);
+        return fsr_error_reply(req, EPROTO, n);
+    }
+    uint64_t b = req->blob;
+    if (b >= fanstore_blobs.n || !fanstore_blob_held(b))
+        return fsr_error_reply(req, ENOENT, n);
+    if (req->lo > req->hi || req->hi > fanstore_blobs.stored[b])
+        return fsr_error_reply(req, EINVAL, n);
+    size_t len = (size_t)(req->hi - req->lo);
+    char *buf = malloc(sizeof(struct fsr_header) + len);
+    if (buf == NULL)
+        return fsr_error_reply(req, ENOMEM, n);
+    int rc = fanstore_blob_pread(b, req->lo, len, buf + sizeof(struct fsr_header), nowait);
+    if (rc == FANSTORE_BLOB_AGAIN) {
+        free(buf);
+        *again = 1;
+        return NULL;
+    }
+    if (rc != FANSTORE_BLOB_OK) {
+        free(buf);
+        return fsr_error_reply(req, rc == FANSTORE_BLOB_NOT_HELD ? ENOENT : EIO, n);
+    }
+    struct fsr_header *h = (struct fsr_header *)buf;
+    *h = *req;
+    h->err = 0;
+    *n = sizeof(*h) + len;
+    COUNT(served);
+    ADD(served_bytes, len);
+    return buf;
+}
+
+void fsr_push_job(struct job *j) {
+    pthread_mutex_lock(&fsr_state.lock);
+    struct job **p = &fsr_state.jobs;
+    while (*p)
+        p = &(*p)->next;
+    *p = j;
+    pthread_cond_signal(&fsr_state.job_cond);
+    pthread_mutex_unlock(&fsr_state.lock);
+}
+
+/* ------------------------------------------------------------------ calls */
+
+static void fsr_complete(struct call *c, int status, char *raw, size_t n) {
+    __atomic_sub_fetch(&fsr_stats.open_calls, 1, __ATOMIC_RELAXED);
+    c->done(c->ctx, status, raw, n);
+    free(c);
+}
+
+static void fsr_verify(struct call *c, char *buf, size_t n) {
+    const struct fsr_header *h = (const struct fsr_header *)buf;
+    uint64_t b = c->blob;
+    size_t raw_len = fanstore_blobs.raw[b];
+    char *raw = malloc(raw_len ? raw_len : 1);
+    int rc = raw == NULL ? FANSTORE_BLOB_NOMEM
+             : n - sizeof(*h) != fanstore_blobs.stored[b] ? FANSTORE_BLOB_CORRUPT
+                                                          : fanstore_blob_decode(b, h + 1, raw);
+    free(buf);
+    if (rc == FANSTORE_BLOB_OK) {
+        COUNT(fetched);
+        fsr_complete(c, 0, raw, raw_len);
+    } else {
+        COUNT(corrupt);
+        free(raw);
+        fsr_complete(c, rc == FANSTORE_BLOB_NOMEM ? -ENOMEM : -EIO, NULL, 0);
+    }
+}
+
+struct call *fsr_unlink_call(uint64_t id) {
+    struct call *found = NULL;
+    pthread_mutex_lock(&fsr_state.lock);
+    for (struct call **p = &fsr_state.inflight; *p; p = &(*p)->next)
+        if ((*p)->id == id) {
+            found = *p;
+            *p = found->next;
+            break;
+        }
+    pthread_mutex_unlock(&fsr_state.lock);
+    return found;
+}
+
+void fsr_reap(double t, int all) {
+    struct call *done = NULL;
+    pthread_mutex_lock(&fsr_state.lock);
+    for (struct call **p = &fsr_state.inflight; *p;) {
+        struct call *c = *p;
+        if (all || c->deadline <= t) {
+            *p = c->next;
+            c->next = done;
+            done = c;
+        } else {
+            p = &c->next;
+        }
+    }
+    pthread_mutex_unlock(&fsr_state.lock);
+    while (done != NULL) {
+        struct call *next = done->next;
+        if (!all) {
+            COUNT(timeouts);
+            fsr_suspect(done->owner);
+        }
+        fsr_finish(done, all ? -ECANCELED : -ETIMEDOUT);
+        done = next;
+    }
+}
+
+void fsr_finish(struct call *c, int status) {
+    fsr_complete(c, status, NULL, 0);
+}
+
+void fsr_answered(char *buf, size_t n) {
+    const struct fsr_header *h = (const struct fsr_header *)buf;
+    struct call *c = n >= sizeof(*h) ? fsr_unlink_call(h->id) : NULL;
+    if (c == NULL) { /* timed out already, or garbage */
+        free(buf);
+        return;
+    }
+    if (h->magic != FSR_MAGIC || h->version != FSR_VERSION || h->blob != c->blob) {
+        COUNT(corrupt);
+        free(buf);
+        fsr_finish(c, -EPROTO);
+        return;
+    }
+    if (h->err != 0) {
+        COUNT(error_replies);
+        int err = h->err > 0 ? h->err : EIO;
+        free(buf);
+        fsr_finish(c, -err);
+        return;
+    }
+    ADD(fetched_bytes, n - sizeof(*h));
+    if (n - sizeof(*h) <= DECODE_INLINE) {
+        fsr_verify(c, buf, n);
+        return;
+    }
+    struct job *j = calloc(1, sizeof(*j));
+    if (j == NULL) {
+        free(buf);
+        fsr_finish(c, -ENOMEM);
+        return;
+    }
+    j->source = -1;
+    j->call = c;
+    j->buf = buf;
+    j->n = n;
+    fsr_push_job(j);
+}
+
+void *fsr_worker(void *unused) {
+    (void)unused;
+    for (;;) {
+        pthread_mutex_lock(&fsr_state.lock);
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_nsec += 200000000; /* every 200 ms: the deadlines of calls in flight */
+        if (until.tv_nsec >= 1000000000) {
+            until.tv_sec++;
+            until.tv_nsec -= 1000000000;
+        }
+        int waited = 0;
+        while (fsr_state.jobs == NULL && !fsr_state.stopping && !waited)
+            waited = pthread_cond_timedwait(&fsr_state.job_cond, &fsr_state.lock, &until) != 0;
+        struct job *j = fsr_state.jobs;
+        if (j == NULL) {
+            int stop = fsr_state.stopping;
+            pthread_mutex_unlock(&fsr_state.lock);
+            if (stop)
+                return NULL;
+            fsr_reap(fsr_now(), 0);
+            continue;
+        }
+        fsr_state.jobs = j->next;
+        pthread_mutex_unlock(&fsr_state.lock);
+        if (j->call != NULL) {
+            COUNT(verified_by_worker);
+            fsr_verify(j->call, j->buf, j->n);
+        } else {
+            size_t n;
+            int again;
+            char *reply = fsr_serve(&j->h, 0, &n, &again);
+            COUNT(served_io);
+            if (reply != NULL)
+                fsr_queue_out(j->source, FSR_TAG_REPLY, reply, n);
+        }
+        free(j);
+    }
+}
+
+/* ------------------------------------------------------------------ the C API */
+
+int fanstore_remote_ready(void) {
+    /* every rank's thread joined the bell exchange: every rank serves */
+    return __atomic_load_n(&fsr_state.gathered, __ATOMIC_ACQUIRE) == 1 &&
+           !__atomic_load_n(&fsr_state.stopping, __ATOMIC_ACQUIRE);
+}
+
+int fanstore_remote_fetch(int owner, uint64_t blob, double timeout, fanstore_remote_done done, void *ctx) {
+    if (!fanstore_remote_ready() || owner < 0 || owner >= fsr_state.size || owner == fsr_state.rank ||
+        blob >= fanstore_blobs.n)
+        return -EAGAIN;
+    struct call *c = malloc(sizeof(*c));
+    if (c == NULL)
+        return -EAGAIN;
+    pthread_mutex_lock(&fsr_state.lock);
+    *c = (struct call){fsr_state.inflight, ++fsr_state.next_id, blob, owner, fsr_now() + timeout, done, ctx, 0};
+    fsr_state.inflight = c;
+    unsigned long long open = __atomic_add_fetch(&fsr_stats.open_calls, 1, __ATOMIC_RELAXED);
+    if (open > fsr_stats.peak_calls)
+        fsr_stats.peak_calls = open;
+    pthread_mutex_unlock(&fsr_state.lock);
+    fsr_poke(fsr_state.wake_fd);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ Python */
+
+struct finished { /* for remote_take: a Python call's outcome, or a blob for the disk cache */
+    struct finished *next;
+    PyObject *token; /* NULL: `raw` is blob `blob`, fetched for a READ in C */
+    uint64_t blob;
+    int status;
+    char *raw;
+    size_t n;
+};
+static struct finished *finished_list;
+
+static void push_finished(struct finished *f) {
+    pthread_mutex_lock(&fsr_state.lock);
+    int was_empty = finished_list == NULL; /* else a poke is pending already */
+    f->next = finished_list;
+    finished_list = f;
+    pthread_mutex_unlock(&fsr_state.lock);
+    if (was_empty)
+        fsr_poke(fsr_state.done_fd);
+}
+
+static void py_done(void *ctx, int status, char *raw, size_t n) {
+    struct finished *f = malloc(sizeof(*f));
+    if (f == NULL)
+        abort(); /* a token would be lost: its reader would wait forever */
+    *f = (struct finished){NULL, (PyObject *)ctx, 0, status, raw, n};
+    push_finished(f);
+}
+
+void fsr_offer(uint64_t blob, char *raw, size_t n) {
+    struct finished *f = malloc(sizeof(*f));
+    if (f == NULL) {
+        free(raw); /* not cached: nothing else is lost */
+        return;
+    }
+    *f = (struct finished){NULL, NULL, blob, 1, raw, n};
+    push_finished(f);
+}
+
+PyObject *fanstore_py_remote_start(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *libmpi;
+    unsigned int comm, dup_req, byte; /* MPICH's handles: 32 bits, the top one often set */
+    int rank, size;
+    if (!PyArg_ParseTuple(args, "sIIIii", &libmpi, &comm, &dup_req, &byte, &rank, &size))
+        return NULL;
+    if (fsr_state.running) {
+        PyErr_SetString(PyExc_RuntimeError, "the remote thread already runs");
+        return NULL;
+    }
+    const char *why = fsr_find_mpi(libmpi);
+    int level = 0;
+    if (why == NULL && (fsr_mpi.Query_thread(&level) != 0 || level < MPI_THREAD_MULTIPLE_))
+        why = "MPI is not initialized with MPI_THREAD_MULTIPLE";
+    if (why != NULL) {
+        PyErr_SetString(PyExc_OSError, why);
+        return NULL;
+    }
+    fsr_state.bell_fd = socket(AF_INET, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    fsr_state.wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    fsr_state.done_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    struct sockaddr_in any = {.sin_family = AF_INET};
+    if (fsr_state.bell_fd < 0 || fsr_state.wake_fd < 0 || fsr_state.done_fd < 0 ||
+        bind(fsr_state.bell_fd, (struct sockaddr *)&any, sizeof(any)) != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return NULL;
+    }
+    fsr_state.comm = (int)comm;
+    fsr_state.dup_req = (int)dup_req;
+    fsr_state.byte = (int)byte;
+    fsr_state.rank = rank;
+    fsr_state.size = size;
+    fsr_state.stopping = fsr_state.ready = fsr_state.gathered = 0;
+    memset(&fsr_stats, 0, sizeof(fsr_stats));
+    if (fsr_state.suspect_until == NULL)
+        fsr_state.suspect_until = calloc((size_t)size, sizeof(int64_t)); /* NULL: nobody suspect */
+    sigset_t all, old; /* signals stay with the Python threads */
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    int ok = pthread_create(&fsr_state.thread, NULL, fsr_thread, NULL) == 0;
+    for (int i = 0; ok && i < WORKERS; i++)
+        if (pthread_create(&fsr_state.workers[i], NULL, fsr_worker, NULL) != 0)
+            abort(); /* the remote thread runs: it needs its workers */
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (!ok) {
+        PyErr_SetString(PyExc_OSError, "cannot start the remote thread");
+        return NULL;
+    }
+    fsr_state.running = 1;
+    return PyLong_FromLong(fsr_state.done_fd);
+}
+
+PyObject *fanstore_py_remote_stop(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    if (!fsr_state.running)
+        Py_RETURN_NONE;
+    int stuck = 0;
+    Py_BEGIN_ALLOW_THREADS;
+    pthread_mutex_lock(&fsr_state.lock);
+    __atomic_store_n(&fsr_state.stopping, 1, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&fsr_state.job_cond);
+    pthread_mutex_unlock(&fsr_state.lock);
+    fsr_poke(fsr_state.wake_fd);
+    for (int i = 0; i < WORKERS; i++)
+        pthread_join(fsr_state.workers[i], NULL);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 3; /* a thread stuck in MPI (a dead peer's netmod) is left behind */
+    if (pthread_timedjoin_np(fsr_state.thread, NULL, &until) != 0)
+        stuck = 1;
+    Py_END_ALLOW_THREADS;
+    if (stuck) {
+        fsr_reap(0, 1); /* its calls end here: nobody waits for them */
+        if (PyErr_WarnEx(PyExc_RuntimeWarning, "the C remote thread did not stop (stuck in MPI)", 1) != 0)
+            return NULL;
+        Py_RETURN_NONE; /* its descriptors stay open: it may still use them */
+    }
+    fsr_state.running = fsr_state.ready = 0;
+    close(fsr_state.bell_fd);
+    close(fsr_state.wake_fd);
+    fsr_state.bell_fd = fsr_state.wake_fd = -1;
+    /* done_fd stays open: Python may still take the cancelled calls */
+    Py_RETURN_NONE;
+}
+
+PyObject *fanstore_py_remote_fetch(PyObject *self, PyObject *args) {
+    (void)self;
+    int owner;
+    unsigned long long blob;
+    PyObject *token;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "iKOd", &owner, &blob, &token, &timeout))
+        return NULL;
+    Py_INCREF(token);
+    int rc = fanstore_remote_fetch(owner, blob, timeout, py_done, token);
+    if (rc != 0)
+        Py_DECREF(token);
+    return PyBool_FromLong(rc == 0);
+}
+
+PyObject *fanstore_py_remote_take(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    if (fsr_state.done_fd >= 0)
+        fsr_drain(fsr_state.done_fd);
+    pthread_mutex_lock(&fsr_state.lock);
+    struct finished *f = finished_list;
+    finished_list = NULL;
+    pthread_mutex_unlock(&fsr_state.lock);
+    PyObject *out = PyList_New(0);
+    while (f != NULL) {
+        struct finished *next = f->next;
+        PyObject *data = f->raw ? PyBytes_FromStringAndSize(f->raw, (Py_ssize_t)f->n) : Py_None;
+        if (f->raw == NULL)
+            Py_INCREF(Py_None);
+        PyObject *token = f->token ? f->token : PyLong_FromUnsignedLongLong(f->blob);
+        PyObject *item = data && out && token ? Py_BuildValue("(NiN)", token, f->status, data) : NULL;
+        if (item == NULL || PyList_Append(out, item) != 0)
+            abort(); /* out of memory with readers waiting */
+        Py_DECREF(item);
+        free(f->raw);
+        free(f);
+        f = next;
+    }
+    return out;
+}
+
+PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return Py_BuildValue(
+        "{sisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "bells",
+        fsr_state.gathered == 1, "polls", fsr_stats.polls, "bell_wakes", fsr_stats.bell_wakes, "served", fsr_stats.served,
+        "served_io", fsr_stats.served_io, "served_bytes", fsr_stats.served_bytes, "bad_requests", fsr_stats.bad_requests,
+        "error_replies", fsr_stats.error_replies, "fetched", fsr_stats.fetched, "fetched_bytes", fsr_stats.fetched_bytes,
+        "corrupt", fsr_stats.corrupt, "timeouts", fsr_stats.timeouts, "peer_errors", fsr_stats.peer_errors, "send_errors",
+        fsr_stats.send_errors, "verified_by_worker", fsr_stats.verified_by_worker, "in_flight", fsr_stats.open_calls,
+        "peak_in_flight", fsr_stats.peak_calls, "c_reads", fsr_stats.c_reads, "c_read_bytes",
+        fsr_stats.c_read_bytes, "c_read_fallbacks", fsr_stats.c_read_fallbacks, "cache_offers",
+        fsr_stats.cache_offers);
+}

@@ -1,0 +1,105 @@
+/* Remote blob reads in C (issue 11): one thread per rank that serves other ranks' requests for
+ * the stored bytes of blobs held here and sends this rank's own requests, over MPI on a
+ * communicator of its own (a duplicate of the daemon's: Python's MPI thread never sees these
+ * messages, and this thread never sees Python's). No GIL anywhere on the path.
+ *
+ * MPI is not linked: its functions are found at start in the libmpi that mpi4py already loaded
+ * (dlopen RTLD_NOLOAD of the path Python gives), so the module builds without MPI headers and
+ * a one-rank mount never loads MPI. Only MPICH's ABI (int handles, its MPI_Status layout) is
+ * supported; Python checks the library before starting (`_cremote.py`).
+ *
+ * The wire format, in one place: every message is one fsr_header (host byte order: the ranks
+ * of one job share the architecture), a request alone, a reply followed by the stored bytes
+ * [lo, hi) of the blob. Requests travel with FSR_TAG_REQUEST, replies with FSR_TAG_REPLY and
+ * the request's id; a reply with err != 0 carries no bytes. A request that does not decode is
+ * answered EPROTO; a blob not held here ENOENT; a range outside the blob EINVAL; a failed read
+ * EIO. The requester verifies (the manifest's xxh3, every frame's): bytes that fail it never
+ * reach a reader, and the request goes back to Python (replicas, then DEST, then EIO).
+ *
+ * Waiting: the thread sleeps in ppoll on a UDP socket (a doorbell: a sender rings it after
+ * each Isend, addresses exchanged with an Iallgather on the new communicator, as
+ * _doorbell.py) and an eventfd (local submissions, finished disk reads). It polls instead,
+ * 20 us growing to 1 ms, while a rendezvous send must progress or a bell announced a message
+ * not yet matched; with calls in flight it wakes at least every millisecond, idle every 5 ms:
+ * a lost bell costs one wait, never a hang. A call unanswered after its timeout completes with
+ * ETIMEDOUT.
+ */
+#ifndef FANSTORE_SHIM_REMOTE_H
+#define FANSTORE_SHIM_REMOTE_H
+#include <stddef.h>
+#include <stdint.h>
+
+#define FSR_MAGIC 0x5246 /* "FR" */
+#define FSR_VERSION 1
+#define FSR_TAG_REQUEST 200
+#define FSR_TAG_REPLY 201
+#define FSR_OP_FETCH 1 /* stored bytes [lo, hi) of blob */
+
+struct fsr_header {
+    uint16_t magic;
+    uint8_t version;
+    uint8_t op;
+    int32_t err; /* reply: 0, or the errno of the failure (no bytes follow) */
+    uint64_t id; /* chosen by the requester, echoed in the reply */
+    uint64_t blob;
+    uint64_t lo, hi; /* stored bytes of the blob; the reply carries hi - lo of them */
+};
+_Static_assert(sizeof(struct fsr_header) == 40, "fsr_header is 40 bytes on the wire");
+
+/* A call's outcome: status 0 and the blob's verified raw bytes lo..hi (whole-blob calls: all of
+ * them), or a negative errno (-ETIMEDOUT, -EIO a corrupt or failed reply, the peer's error).
+ * Called on the remote thread or one of its workers; `raw` is the callee's to free(). */
+typedef void (*fanstore_remote_done)(void *ctx, int status, char *raw, size_t n);
+
+/* Ask rank `owner` for the whole of `blob` (the manifest's blob columns must be held:
+ * _shim_blobs.h); `done` is called exactly once. 0, or -EAGAIN when the remote thread is not
+ * running (the caller serves the read another way). */
+int fanstore_remote_fetch(int owner, uint64_t blob, double timeout, fanstore_remote_done done, void *ctx);
+
+/* Whether `rank` timed out or refused a send in the last SUSPECT_SECONDS (READs in C then
+ * leave its blobs to Python, which tries the other copies first). */
+int fanstore_remote_suspect(int rank);
+
+/* Whether the remote thread runs and every rank's thread joined the exchange of doorbell
+ * addresses on the new communicator (so every rank serves requests: a rank that did not start
+ * its thread keeps every other rank on the Python path). */
+int fanstore_remote_ready(void);
+
+/* READs of blobs held elsewhere answered through the remote thread (_shim_remote_read.c):
+ * patched into the FUSE table after _shim_read.c's, whose handler gets every READ not taken. */
+struct fuse_lowlevel_ops;
+void fanstore_patch_remote(struct fuse_lowlevel_ops *ops);
+/* Whether it takes this READ (its fuse_read_in `body`), for _shim_open.c's request loop. */
+int fanstore_remote_answered(uint64_t ino, const void *body, size_t left);
+
+#ifdef Py_PYTHON_H /* the module's functions, for _noflush.c's method table */
+PyObject *fanstore_py_remote_read_start(PyObject *self, PyObject *args);
+PyObject *fanstore_py_remote_owners(PyObject *self, PyObject *arr);
+PyObject *fanstore_py_remote_start(PyObject *self, PyObject *args);
+PyObject *fanstore_py_remote_stop(PyObject *self, PyObject *unused);
+PyObject *fanstore_py_remote_fetch(PyObject *self, PyObject *args);
+PyObject *fanstore_py_remote_take(PyObject *self, PyObject *unused);
+PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused);
+
+#define FANSTORE_REMOTE_METHODS                                                                  \
+    {"remote_start", fanstore_py_remote_start, METH_VARARGS,                                     \
+     "remote_start(libmpi, comm, dup_request, byte, rank, size, serve_only): start the remote " \
+     "thread on a duplicate communicator (mpi4py handles); returns the completion eventfd"},     \
+    {"remote_stop", fanstore_py_remote_stop, METH_NOARGS,                                        \
+     "remote_stop(): stop the remote thread (calls in flight complete with ECANCELED)"},         \
+    {"remote_fetch", fanstore_py_remote_fetch, METH_VARARGS,                                     \
+     "remote_fetch(owner, blob, token, timeout): ask `owner` for `blob`; the outcome comes "     \
+     "back from remote_take() with `token`"},                                                    \
+    {"remote_take", fanstore_py_remote_take, METH_NOARGS,                                        \
+     "remote_take(): [(token, status, bytes or None)] of the calls finished since the last "     \
+     "take (status 0 or a negative errno); clears the eventfd"},                                 \
+    {"remote_stats", fanstore_py_remote_stats, METH_NOARGS,                                      \
+     "remote_stats(): the remote thread's counters (dict)"},                                     \
+    {"remote_read_start", fanstore_py_remote_read_start, METH_VARARGS,                           \
+     "remote_read_start(fallback, timeout, cache_index or None): READs of blobs held elsewhere " \
+     "through the remote thread from now on (once remote_owners published the owners)"},        \
+    {"remote_owners", fanstore_py_remote_owners, METH_O,                                         \
+     "remote_owners(u16 array): the primary owner of every blob (published once)"},
+#endif
+
+#endif

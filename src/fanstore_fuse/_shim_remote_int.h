@@ -1,0 +1,143 @@
+/* Internal to _shim_remote.c (serving, calls, the Python methods) and _shim_remote_mpi.c (MPI
+ * and the remote thread): their shared state and functions. The design: _shim_remote.h. */
+#ifndef FANSTORE_SHIM_REMOTE_INT_H
+#define FANSTORE_SHIM_REMOTE_INT_H
+#include <errno.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "_shim_blobs.h"
+#include "_shim_remote.h"
+
+/* ------------------------------------------------------------------ MPICH, found at run time */
+
+struct mpi_status { /* MPICH's MPI_Status */
+    int count_lo, count_hi_and_cancelled, source, tag, error;
+};
+#define MPI_ANY_SOURCE_ (-2)
+#define MPI_ANY_TAG_ (-1)
+#define MPI_THREAD_MULTIPLE_ 3
+#define MPI_STATUS_IGNORE_ ((struct mpi_status *)1)
+
+struct fsr_mpi {
+    int (*Isend)(const void *, int, int, int, int, int, int *);
+    int (*Improbe)(int, int, int, int *, int *, struct mpi_status *);
+    int (*Mrecv)(void *, int, int, int *, struct mpi_status *);
+    int (*Test)(int *, int *, struct mpi_status *);
+    int (*Get_count)(const struct mpi_status *, int, int *);
+    int (*Iallgather)(const void *, int, int, void *, int, int, int, int *);
+    int (*Query_thread)(int *);
+};
+extern struct fsr_mpi fsr_mpi;
+
+/* ------------------------------------------------------------------ state */
+
+struct call { /* one request of this rank, in flight */
+    struct call *next;
+    uint64_t id, blob;
+    int owner;
+    double deadline;
+    fanstore_remote_done done;
+    void *ctx;
+    int posted; /* its request was handed to MPI (under the lock) */
+};
+
+struct out { /* a message for the remote thread to send (a worker's reply) */
+    struct out *next;
+    int dest, tag;
+    char *buf;
+    size_t n;
+};
+
+struct job { /* work for a worker: a disk read to serve, or a large reply to verify */
+    struct job *next;
+    int source;         /* serve: the requester */
+    struct fsr_header h; /* serve: the request */
+    struct call *call;  /* decode: the call answered, `buf` its reply of `n` bytes */
+    char *buf;
+    size_t n;
+};
+
+struct sending {
+    int req;
+    char *buf;
+};
+
+#define WORKERS 2
+#define DECODE_INLINE (256u << 10) /* replies this small are verified on the remote thread */
+#define BELL_RECORD 72             /* 64 bytes of host name, IPv4 address, port, 2 spare */
+
+struct fsr_state {
+    int running, ready, stopping;
+    int comm, byte, rank, size, dup_req, gather_req, gathered;
+    pthread_t thread, workers[WORKERS];
+    int wake_fd, done_fd, bell_fd;
+    struct sockaddr_in *peers; /* size entries; port 0: no bell */
+    int64_t *suspect_until;    /* size entries, ns of CLOCK_MONOTONIC: a rank that timed out or
+                                  refused a send */
+    char *bell_table, bell_mine[BELL_RECORD];
+    pthread_mutex_t lock; /* inflight, outq, jobs, the Python done list */
+    pthread_cond_t job_cond;
+    struct out *outq;
+    struct job *jobs;
+    struct call *inflight; /* every call not finished (under the lock): deadlines are enforced
+                              by the workers too, so a remote thread stuck in MPI (a peer's
+                              netmod hanging on a dead node) never leaves a reader waiting */
+    struct sending *sends;
+    size_t nsends, capsends;
+    uint64_t next_id;
+};
+extern struct fsr_state fsr_state;
+
+struct fsr_stats {
+    unsigned long long polls, bell_wakes, served, served_io, served_bytes, bad_requests,
+        error_replies, fetched, fetched_bytes, corrupt, timeouts, peer_errors, send_errors,
+        verified_by_worker, open_calls, peak_calls, c_reads, c_read_bytes, c_read_fallbacks,
+        cache_offers;
+};
+extern struct fsr_stats fsr_stats;
+
+#define COUNT(x) __atomic_add_fetch(&fsr_stats.x, 1, __ATOMIC_RELAXED)
+#define ADD(x, n) __atomic_add_fetch(&fsr_stats.x, (n), __ATOMIC_RELAXED)
+
+static inline double fsr_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static inline void fsr_poke(int fd) {
+    uint64_t one = 1;
+    ssize_t r = write(fd, &one, sizeof(one));
+    (void)r; /* a full counter still wakes the reader */
+}
+
+static inline void fsr_drain(int fd) {
+    char buf[256];
+    while (read(fd, buf, sizeof(buf)) > 0) {
+    }
+}
+
+/* _shim_remote.c: serving, calls, workers */
+char *fsr_error_reply(const struct fsr_header *req, int err, size_t *n);
+char *fsr_serve(const struct fsr_header *req, int nowait, size_t *n, int *again);
+void fsr_push_job(struct job *j);
+void fsr_finish(struct call *c, int status);
+void fsr_answered(char *buf, size_t n);
+void *fsr_worker(void *unused);
+void fsr_offer(uint64_t blob, char *raw, size_t n); /* raw bytes for the disk cache (taken over) */
+/* _shim_remote_mpi.c: MPI and the remote thread */
+const char *fsr_find_mpi(const char *path);
+void fsr_queue_out(int dest, int tag, char *buf, size_t n);
+void *fsr_thread(void *unused);
+void fsr_suspect(int rank); /* skipped by READs in C for SUSPECT_SECONDS */
+void fsr_reap(double t, int all); /* finish calls past their deadline (all: every call) */
+struct call *fsr_unlink_call(uint64_t id); /* the call of this id, taken out of inflight */
+#define SUSPECT_SECONDS 30.0 /* as _cluster.SUSPECT_SECONDS */
+
+#endif

@@ -1,0 +1,294 @@
+/* Remote blob reads in C: MPICH's functions found at run time, sending, and the remote thread
+ * (doorbells, receiving, time-outs, sleeping). The design: _shim_remote.h. */
+#define _GNU_SOURCE /* ppoll */
+#include <arpa/inet.h>
+#include <dlfcn.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+#include "_shim_remote_int.h"
+
+struct fsr_mpi fsr_mpi;
+
+const char *fsr_find_mpi(const char *path) {
+    void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+    if (lib == NULL)
+        return "libmpi is not loaded in this process";
+#define FIND(name)                                                                                \
+    if ((*(void **)&fsr_mpi.name = dlsym(lib, "MPI_" #name)) == NULL)                                 \
+        return "MPI_" #name " not found in libmpi";
+    FIND(Isend) FIND(Improbe) FIND(Mrecv) FIND(Test) FIND(Get_count) FIND(Iallgather)
+    FIND(Query_thread)
+#undef FIND
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ sending */
+
+static void fsr_ring(int dest) {
+    if (fsr_state.peers != NULL && dest >= 0 && dest < fsr_state.size && fsr_state.peers[dest].sin_port)
+        (void)sendto(fsr_state.bell_fd, "", 1, MSG_DONTWAIT, (struct sockaddr *)&fsr_state.peers[dest],
+                     sizeof(fsr_state.peers[dest]));
+}
+
+/* Send `buf` (malloc'd, taken over) to `dest`: 0, or -1 if MPI refused (buf freed). */
+static int fsr_post(int dest, int tag, char *buf, size_t n) {
+    int req, flag = 0;
+    if (fsr_mpi.Isend(buf, (int)n, fsr_state.byte, dest, tag, fsr_state.comm, &req) != 0) {
+        COUNT(send_errors);
+        free(buf);
+        return -1;
+    }
+    fsr_ring(dest);
+    if (fsr_mpi.Test(&req, &flag, MPI_STATUS_IGNORE_) == 0 && flag) {
+        free(buf); /* eager: complete at once */
+        return 0;
+    }
+    if (fsr_state.nsends == fsr_state.capsends) {
+        size_t cap = fsr_state.capsends ? 2 * fsr_state.capsends : 16;
+        struct sending *s = realloc(fsr_state.sends, cap * sizeof(*s));
+        if (s == NULL)
+            abort(); /* the send is posted; its buffer must outlive it */
+        fsr_state.sends = s;
+        fsr_state.capsends = cap;
+    }
+    fsr_state.sends[fsr_state.nsends++] = (struct sending){req, buf};
+    return 0;
+}
+
+static int fsr_progress_sends(void) {
+    int moved = 0;
+    for (size_t i = 0; i < fsr_state.nsends;) {
+        int flag = 0;
+        if (fsr_mpi.Test(&fsr_state.sends[i].req, &flag, MPI_STATUS_IGNORE_) != 0 || flag) {
+            free(fsr_state.sends[i].buf);
+            fsr_state.sends[i] = fsr_state.sends[--fsr_state.nsends];
+            moved = 1;
+        } else {
+            i++;
+        }
+    }
+    return moved;
+}
+
+void fsr_queue_out(int dest, int tag, char *buf, size_t n) {
+    struct out *o = malloc(sizeof(*o));
+    if (o == NULL) {
+        free(buf);
+        return; /* the requester times out and reads another way */
+    }
+    *o = (struct out){NULL, dest, tag, buf, n};
+    pthread_mutex_lock(&fsr_state.lock);
+    struct out **p = &fsr_state.outq;
+    while (*p)
+        p = &(*p)->next;
+    *p = o;
+    pthread_mutex_unlock(&fsr_state.lock);
+    fsr_poke(fsr_state.wake_fd);
+}
+
+/* ------------------------------------------------------------------ the remote thread */
+
+static void fsr_take_bells(void) {
+    fsr_state.peers = calloc((size_t)fsr_state.size, sizeof(*fsr_state.peers));
+    if (fsr_state.peers == NULL)
+        return;
+    for (int r = 0; r < fsr_state.size; r++) {
+        const char *rec = fsr_state.bell_table + (size_t)r * BELL_RECORD;
+        uint16_t port;
+        memcpy(&port, rec + 68, 2);
+        fsr_state.peers[r].sin_family = AF_INET;
+        fsr_state.peers[r].sin_port = port;
+        if (memcmp(rec, fsr_state.bell_mine, 64) == 0)
+            fsr_state.peers[r].sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        else
+            memcpy(&fsr_state.peers[r].sin_addr, rec + 64, 4);
+    }
+}
+
+static void fsr_post_gather(void) {
+    memset(fsr_state.bell_mine, 0, sizeof(fsr_state.bell_mine));
+    gethostname(fsr_state.bell_mine, 63);
+    struct sockaddr_in me;
+    socklen_t len = sizeof(me);
+    uint32_t ip = htonl(INADDR_LOOPBACK);
+    struct hostent *he = gethostbyname(fsr_state.bell_mine); /* before any thread but ours uses it */
+    if (he != NULL && he->h_addrtype == AF_INET && he->h_addr_list[0] != NULL)
+        memcpy(&ip, he->h_addr_list[0], 4);
+    memcpy(fsr_state.bell_mine + 64, &ip, 4);
+    if (getsockname(fsr_state.bell_fd, (struct sockaddr *)&me, &len) == 0)
+        memcpy(fsr_state.bell_mine + 68, &me.sin_port, 2);
+    fsr_state.bell_table = calloc((size_t)fsr_state.size, BELL_RECORD);
+    if (fsr_state.bell_table == NULL ||
+        fsr_mpi.Iallgather(fsr_state.bell_mine, BELL_RECORD, fsr_state.byte, fsr_state.bell_table, BELL_RECORD, fsr_state.byte, fsr_state.comm,
+                       &fsr_state.gather_req) != 0)
+        fsr_state.gathered = -1; /* no bells: poll */
+}
+
+static int fsr_start_calls(void) {
+    struct fsr_header *todo[64];
+    int n = 0;
+    pthread_mutex_lock(&fsr_state.lock);
+    for (struct call *c = fsr_state.inflight; c != NULL && n < 64; c = c->next) {
+        if (c->posted || (todo[n] = malloc(sizeof(struct fsr_header))) == NULL)
+            continue; /* no memory: its deadline ends it */
+        c->posted = 1;
+        *todo[n++] = (struct fsr_header){FSR_MAGIC, FSR_VERSION, FSR_OP_FETCH, c->owner, c->id, c->blob, 0,
+                                         fanstore_blobs.stored[c->blob]};
+    }
+    struct out *o = fsr_state.outq;
+    fsr_state.outq = NULL;
+    pthread_mutex_unlock(&fsr_state.lock);
+    for (int i = 0; i < n; i++) {
+        int owner = todo[i]->err; /* carried here until sent: a request's err is 0 */
+        uint64_t id = todo[i]->id;
+        todo[i]->err = 0;
+        if (fsr_post(owner, FSR_TAG_REQUEST, (char *)todo[i], sizeof(struct fsr_header)) != 0) {
+            COUNT(peer_errors);
+            fsr_suspect(owner);
+            struct call *c = fsr_unlink_call(id);
+            if (c != NULL)
+                fsr_finish(c, -EIO);
+        }
+    }
+    int moved = n > 0 || o != NULL;
+    while (o != NULL) {
+        struct out *next = o->next;
+        fsr_post(o->dest, o->tag, o->buf, o->n);
+        free(o);
+        o = next;
+    }
+    return moved;
+}
+
+static int fsr_receive(void) {
+    int moved = 0;
+    for (int k = 0; k < 64; k++) {
+        int flag = 0, msg, count = 0;
+        struct mpi_status st;
+        if (fsr_mpi.Improbe(MPI_ANY_SOURCE_, MPI_ANY_TAG_, fsr_state.comm, &flag, &msg, &st) != 0 || !flag)
+            break;
+        moved = 1;
+        fsr_mpi.Get_count(&st, fsr_state.byte, &count);
+        char *buf = malloc(count > 0 ? (size_t)count : 1);
+        if (buf == NULL)
+            abort(); /* a matched message must be received */
+        if (fsr_mpi.Mrecv(buf, count, fsr_state.byte, &msg, MPI_STATUS_IGNORE_) != 0) {
+            COUNT(peer_errors);
+            free(buf);
+            continue;
+        }
+        size_t n = (size_t)count;
+        if (st.tag == FSR_TAG_REPLY) {
+            fsr_answered(buf, n);
+            continue;
+        }
+        if (st.tag != FSR_TAG_REQUEST || n != sizeof(struct fsr_header)) {
+            COUNT(bad_requests);
+            if (n >= sizeof(struct fsr_header) && st.tag == FSR_TAG_REQUEST) {
+                size_t m;
+                fsr_post(st.source, FSR_TAG_REPLY, fsr_error_reply((struct fsr_header *)buf, EPROTO, &m), m);
+            }
+            free(buf);
+            continue;
+        }
+        size_t m;
+        int again;
+        char *reply = fsr_serve((struct fsr_header *)buf, 1, &m, &again);
+        if (reply != NULL) {
+            fsr_post(st.source, FSR_TAG_REPLY, reply, m);
+        } else {
+            struct job *j = calloc(1, sizeof(*j));
+            if (j != NULL) {
+                j->source = st.source;
+                memcpy(&j->h, buf, sizeof(j->h));
+                fsr_push_job(j);
+            }
+        }
+        free(buf);
+    }
+    return moved;
+}
+
+void fsr_suspect(int rank) {
+    if (fsr_state.suspect_until != NULL && rank >= 0 && rank < fsr_state.size)
+        __atomic_store_n(&fsr_state.suspect_until[rank], (int64_t)((fsr_now() + SUSPECT_SECONDS) * 1e9),
+                         __ATOMIC_RELAXED);
+}
+
+int fanstore_remote_suspect(int rank) {
+    int64_t *s = fsr_state.suspect_until;
+    return s != NULL && rank >= 0 && rank < fsr_state.size &&
+           __atomic_load_n(&s[rank], __ATOMIC_RELAXED) > (int64_t)(fsr_now() * 1e9);
+}
+
+void *fsr_thread(void *unused) {
+    (void)unused;
+    double due = 0; /* the current poll interval while polling */
+    int chase = 0;  /* a bell rang: its message may still be on its way */
+    while (!__atomic_load_n(&fsr_state.stopping, __ATOMIC_ACQUIRE)) {
+        COUNT(polls);
+        int moved = 0;
+        if (!fsr_state.ready) {
+            int flag = 0;
+            if (fsr_mpi.Test(&fsr_state.dup_req, &flag, MPI_STATUS_IGNORE_) == 0 && flag) {
+                fsr_post_gather();
+                __atomic_store_n(&fsr_state.ready, 1, __ATOMIC_RELEASE);
+                moved = 1;
+            }
+        } else {
+            if (fsr_state.gathered == 0) {
+                int flag = 0;
+                if (fsr_mpi.Test(&fsr_state.gather_req, &flag, MPI_STATUS_IGNORE_) != 0)
+                    fsr_state.gathered = -1;
+                else if (flag) {
+                    fsr_take_bells();
+                    __atomic_store_n(&fsr_state.gathered, 1, __ATOMIC_RELEASE);
+                }
+            }
+            moved |= fsr_start_calls();
+            moved |= fsr_receive();
+            if (fsr_state.nsends)
+                moved |= fsr_progress_sends();
+            if (fsr_state.inflight)
+                fsr_reap(fsr_now(), 0);
+        }
+        if (moved) {
+            due = 0;
+            chase = 0;
+            continue;
+        }
+        double timeout;
+        if (fsr_state.gathered != 1) {
+            timeout = 5e-3; /* waiting for the other ranks' threads: nothing to serve yet */
+        } else if (fsr_state.nsends || chase) {
+            due = due ? (due * 2 < 1e-3 ? due * 2 : 1e-3) : 20e-6;
+            chase = chase && due < 1e-3;
+            timeout = due;
+        } else {
+            timeout = fsr_state.inflight ? 1e-3 : 5e-3;
+        }
+        struct pollfd fds[2] = {{fsr_state.bell_fd, POLLIN, 0}, {fsr_state.wake_fd, POLLIN, 0}};
+        struct timespec ts = {(time_t)timeout, (long)((timeout - (double)(time_t)timeout) * 1e9)};
+        if (ppoll(fds, 2, &ts, NULL) > 0) {
+            if (fds[0].revents) {
+                fsr_drain(fsr_state.bell_fd);
+                COUNT(bell_wakes);
+                chase = 1;
+                due = 0;
+            }
+            if (fds[1].revents)
+                fsr_drain(fsr_state.wake_fd);
+        }
+    }
+    /* stopping: what is in flight will not be answered */
+    fsr_reap(0, 1);
+    double end = fsr_now() + 1.0; /* let replies already posted reach their requesters */
+    while (fsr_state.nsends && fsr_now() < end) {
+        fsr_progress_sends();
+        usleep(1000);
+    }
+    return NULL;
+}
+
