@@ -17,7 +17,7 @@ SLURM_DEPS := $(shell [ "$$(id -u)" = 0 ] && echo --slurm)
 deps:
 	@bash scripts/install-deps.sh $(SLURM_DEPS)
 
-$(STAMP): pyproject.toml scripts/install-deps.sh
+$(STAMP): pyproject.toml scripts/install-deps.sh $(wildcard src/fanstore_fuse/*.c src/fanstore_fuse/*.h)
 	@bash scripts/install-deps.sh $(SLURM_DEPS)
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip wheel

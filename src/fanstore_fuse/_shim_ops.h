@@ -18,6 +18,10 @@ void fanstore_patch_read(struct fuse_lowlevel_ops *ops);    /* _shim_read.c */
 int fanstore_read_answered(uint64_t ino, const void *body, size_t left);
 
 #ifdef Py_PYTHON_H /* the module's functions defined next to their patch */
+/* Reply to `req` with what a Python fallback returned (bytes, or a positive errno; EIO for
+ * anything else, an exception reported as unraisable against `who`); steals `res`. GIL held.
+ * _shim_read.c; _shim_remote_read.c's fallback uses it too. */
+void fanstore_reply_from_python(fuse_req_t req, PyObject *res, PyObject *who);
 PyObject *fanstore_fast_open(PyObject *self, PyObject *args);     /* _shim_open.c */
 PyObject *fanstore_fast_counts(PyObject *self, PyObject *unused); /* _shim_open.c */
 PyObject *fanstore_linger_trio(PyObject *self, PyObject *args);    /* _shim_open.c */

@@ -57,6 +57,8 @@ typedef int (*reply_err_t)(fuse_req_t, int);
 static read_op_t py_read;
 static reply_buf_t reply_buf;
 static reply_err_t reply_err;
+static reply_buf_t reply_from_python_buf; /* fanstore_reply_from_python's own */
+static reply_err_t reply_from_python_err;
 static PyObject *fallback; /* _fastread._Fallback: (fh, off, size) -> bytes | errno */
 static size_t inline_max;
 static int nthreads;
@@ -157,6 +159,24 @@ static int serve(const struct job *jb, int nowait, struct worker *w) {
     return FANSTORE_BLOB_OK;
 }
 
+void fanstore_reply_from_python(fuse_req_t req, PyObject *res, PyObject *who) {
+    if (reply_from_python_buf == NULL) { /* the GIL is held: one thread at a time here */
+        reply_from_python_buf = (reply_buf_t)fanstore_libfuse_symbol("fuse_reply_buf");
+        reply_from_python_err = (reply_err_t)fanstore_libfuse_symbol("fuse_reply_err");
+    }
+    if (res != NULL && PyBytes_Check(res))
+        reply_from_python_buf(req, PyBytes_AS_STRING(res), (size_t)PyBytes_GET_SIZE(res));
+    else {
+        long e = res != NULL && PyLong_Check(res) ? PyLong_AsLong(res) : EIO;
+        if (PyErr_Occurred()) {
+            PyErr_WriteUnraisable(who);
+            e = EIO;
+        }
+        reply_from_python_err(req, e > 0 ? (int)e : EIO);
+    }
+    Py_XDECREF(res);
+}
+
 /* C could not answer: Python reads it its way (logs, counts, other copies, EIO). */
 static void to_python(const struct job *jb) {
     __atomic_add_fetch(&c_fallbacks, 1, __ATOMIC_RELAXED);
@@ -164,17 +184,7 @@ static void to_python(const struct job *jb) {
     PyObject *res = fallback ? PyObject_CallFunction(fallback, "KKI", (unsigned long long)jb->ino,
                                                      (unsigned long long)jb->off, jb->size)
                              : NULL;
-    if (res != NULL && PyBytes_Check(res))
-        reply_buf(jb->req, PyBytes_AS_STRING(res), (size_t)PyBytes_GET_SIZE(res));
-    else {
-        long e = res != NULL && PyLong_Check(res) ? PyLong_AsLong(res) : EIO;
-        if (PyErr_Occurred()) {
-            PyErr_WriteUnraisable(fallback);
-            e = EIO;
-        }
-        reply_err(jb->req, e > 0 ? (int)e : EIO);
-    }
-    Py_XDECREF(res);
+    fanstore_reply_from_python(jb->req, res, fallback);
     PyGILState_Release(g);
 }
 

@@ -31,11 +31,9 @@
 
 typedef void (*read_op_t)(fuse_req_t, fuse_ino_t, size_t, off_t, struct fuse_file_info *);
 typedef int (*reply_buf_t)(fuse_req_t, const char *, size_t);
-typedef int (*reply_err_t)(fuse_req_t, int);
 
 static read_op_t next_read;
 static reply_buf_t reply_buf;
-static reply_err_t reply_err;
 static PyObject *fallback; /* _cremote._ReadFallback: (ino, off, size, owner, status, blob) -> bytes | errno */
 static Py_buffer owners_buf, cache_buf;
 static const uint16_t *owner;     /* primary owner per blob, once published */
@@ -91,17 +89,7 @@ static void *fallback_main(void *arg) {
     PyObject *res = PyObject_CallFunction(fallback, "KKIiiK", (unsigned long long)r->ino,
                                           (unsigned long long)r->off, r->size, r->owner, r->status,
                                           (unsigned long long)r->blob);
-    if (res != NULL && PyBytes_Check(res)) {
-        reply_buf(r->req, PyBytes_AS_STRING(res), (size_t)PyBytes_GET_SIZE(res));
-    } else {
-        long e = res != NULL && PyLong_Check(res) ? PyLong_AsLong(res) : EIO;
-        if (PyErr_Occurred()) {
-            PyErr_WriteUnraisable(fallback);
-            e = EIO;
-        }
-        reply_err(r->req, e > 0 ? (int)e : EIO);
-    }
-    Py_XDECREF(res);
+    fanstore_reply_from_python(r->req, res, fallback);
     PyGILState_Release(g);
     free(r);
     return NULL;
@@ -155,8 +143,7 @@ static void remote_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, 
 
 void fanstore_patch_remote(struct fuse_lowlevel_ops *ops) {
     reply_buf = (reply_buf_t)fanstore_libfuse_symbol("fuse_reply_buf");
-    reply_err = (reply_err_t)fanstore_libfuse_symbol("fuse_reply_err");
-    if (ops->read == NULL || reply_buf == NULL || reply_err == NULL)
+    if (ops->read == NULL || reply_buf == NULL)
         return;
     next_read = ops->read;
     ops->read = remote_read;

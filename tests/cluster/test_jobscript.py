@@ -82,6 +82,11 @@ def test_second_epoch_reads_remote_blobs_from_each_nodes_disk_cache(slurm_cluste
         # every cached blob read locally: from the disk cache (in C or Python), or the one or two
         # large blobs the in-memory blob cache still kept from epoch 1
         assert fetched == 0 and cached > 0 and hits + min(mem, 2) >= cached, ln
+    # epoch 1 read other nodes' blobs through the C remote path, over this cluster's network
+    firsts = sorted(ln for ln in res.output.splitlines() if ": epoch 1: C remote READs" in ln)
+    assert len(firsts) == c.nodes, res.output
+    assert sum(int(ln.split("C remote READs ")[1].split(",")[0]) for ln in firsts) > 0, firsts
+    assert sum(int(ln.split("C requests served ")[1]) for ln in firsts) > 0, firsts
     _nothing_left(c, res.job_id)
 
 
