@@ -3,6 +3,7 @@
  * remote thread: _shim_remote_mpi.c. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <malloc.h>
 #include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -324,6 +325,12 @@ PyObject *fanstore_py_remote_start(PyObject *self, PyObject *args) {
     memset(&fsr_stats, 0, sizeof(fsr_stats));
     if (fsr_state.suspect_until == NULL)
         fsr_state.suspect_until = calloc((size_t)size, sizeof(int64_t)); /* NULL: nobody suspect */
+    /* Large transfers (replies of MiBs, their receive and decode buffers) reuse freed heap
+     * memory instead of fresh mmaps, whose every page is a fault and a zeroing: as much CPU as
+     * the copy itself (docs/performance.md, sixth session). Memory kept: the heap's free top,
+     * up to LARGE_KEEP per malloc arena. */
+    mallopt(M_MMAP_THRESHOLD, LARGE_MMAP);
+    mallopt(M_TRIM_THRESHOLD, LARGE_KEEP);
     sigset_t all, old; /* signals stay with the Python threads */
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, &old);

@@ -139,5 +139,7 @@ void fsr_suspect(int rank); /* skipped by READs in C for SUSPECT_SECONDS */
 void fsr_reap(double t, int all); /* finish calls past their deadline (all: every call) */
 struct call *fsr_unlink_call(uint64_t id); /* the call of this id, taken out of inflight */
 #define SUSPECT_SECONDS 30.0 /* as _cluster.SUSPECT_SECONDS */
+#define LARGE_MMAP (32 << 20) /* malloc: blocks below this come from the heap, not mmap */
+#define LARGE_KEEP (64 << 20) /* malloc: free heap top kept, not returned to the kernel */
 
 #endif
