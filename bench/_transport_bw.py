@@ -187,10 +187,12 @@ def main() -> None:
                         await send.send(b)
             dt = time.perf_counter() - t0
             client_threads.append(thread_cpu())
-            out["large"] = {"blobs": len(large) * a.large_rounds, "window": a.window, "MB_per_s": nbytes / dt / 1e6,
+            before, after = client_threads[-2:]
+            out["large"] = {"blobs": len(large) * a.large_rounds, "window": a.window,
+                            "MB_per_s": nbytes / dt / 1e6,
                             "client_cpu_ms_per_GB": (cpu() - c0) / nbytes * 1e12,
-                            "client_threads_ms_per_GB": {k: round((v - client_threads[-2].get(k, 0)) / nbytes * 1e12)
-                                                         for k, v in client_threads[-1].items()}}
+                            "client_threads_ms_per_GB": {k: round((v - before.get(k, 0)) / nbytes * 1e12)
+                                                         for k, v in after.items()}}
         await mark("done")
 
     async def mark(name: str) -> None:
@@ -228,8 +230,9 @@ def main() -> None:
         if "large" in out:  # the server's CPU between the marks around the large phase
             gb = out["large"]["blobs"] * out["raw_message_bytes"] / 1e12
             out["large"]["server_cpu_ms_per_GB"] = (marks["done"] - marks["small_end"]) / gb
+            t0, t1 = threads["small_end"], threads["done"]
             out["large"]["server_threads_ms_per_GB"] = {
-                k: round((v - threads["small_end"].get(k, 0)) / gb) for k, v in threads["done"].items() if k != "polls"}
+                k: round((v - t0.get(k, 0)) / gb) for k, v in t1.items() if k != "polls"}
         if "small" in out:
             out["small"]["server_cpu_us"] = (marks["small_end"] - marks["small_start"]) / len(small) * 1e6
             out["small"]["cpu_us"] = out["small"]["server_cpu_us"] + out["small"]["client_cpu_us"]

@@ -33,10 +33,13 @@ char *fsr_error_reply(const struct fsr_header *req, int err, size_t *n) {
  * the disk must be read), or an error reply. */
 char *fsr_serve(const struct fsr_header *req, int nowait, size_t *n, int *again) {
     *again = 0;
-    if (req->magic != FSR_MAGIC || req->version != FSR_VERSION || req->op != FSR_OP_FETCH) {
+    if (req->magic != FSR_MAGIC || req->version != FSR_VERSION ||
+        (req->op != FSR_OP_FETCH && req->op != FSR_OP_FRAMES)) {
         COUNT(bad_requests);
         return fsr_error_reply(req, EPROTO, n);
     }
+    if (req->op == FSR_OP_FRAMES)
+        return fsr_serve_frames(req, nowait, n, again);
     uint64_t b = req->blob;
     if (b >= fanstore_blobs.n || !fanstore_blob_held(b))
         return fsr_error_reply(req, ENOENT, n);
@@ -77,13 +80,20 @@ void fsr_push_job(struct job *j) {
 
 /* ------------------------------------------------------------------ calls */
 
-static void fsr_complete(struct call *c, int status, char *raw, size_t n) {
+void fsr_complete(struct call *c, int status, char *raw, size_t n) {
     __atomic_sub_fetch(&fsr_stats.open_calls, 1, __ATOMIC_RELAXED);
-    c->done(c->ctx, status, raw, n);
+    if (c->view != NULL)
+        c->view(c->ctx, status, raw, n);
+    else
+        c->done(c->ctx, status, raw, n);
     free(c);
 }
 
 static void fsr_verify(struct call *c, char *buf, size_t n) {
+    if (c->op == FSR_OP_FRAMES) {
+        fsr_verify_frames(c, buf, n);
+        return;
+    }
     const struct fsr_header *h = (const struct fsr_header *)buf;
     uint64_t b = c->blob;
     size_t raw_len = fanstore_blobs.raw[b];
@@ -151,7 +161,7 @@ void fsr_answered(char *buf, size_t n) {
         free(buf);
         return;
     }
-    if (h->magic != FSR_MAGIC || h->version != FSR_VERSION || h->blob != c->blob) {
+    if (h->magic != FSR_MAGIC || h->version != FSR_VERSION || h->op != c->op || h->blob != c->blob) {
         COUNT(corrupt);
         free(buf);
         fsr_finish(c, -EPROTO);
@@ -230,15 +240,19 @@ int fanstore_remote_ready(void) {
            !__atomic_load_n(&fsr_state.stopping, __ATOMIC_ACQUIRE);
 }
 
-int fanstore_remote_fetch(int owner, uint64_t blob, double timeout, fanstore_remote_done done, void *ctx) {
-    if (!fanstore_remote_ready() || owner < 0 || owner >= fsr_state.size || owner == fsr_state.rank ||
-        blob >= fanstore_blobs.n)
+int fsr_add_call(const struct call *proto, double timeout) {
+    if (!fanstore_remote_ready() || proto->owner < 0 || proto->owner >= fsr_state.size ||
+        proto->owner == fsr_state.rank || proto->blob >= fanstore_blobs.n)
         return -EAGAIN;
     struct call *c = malloc(sizeof(*c));
     if (c == NULL)
         return -EAGAIN;
+    *c = *proto;
+    c->posted = 0;
     pthread_mutex_lock(&fsr_state.lock);
-    *c = (struct call){fsr_state.inflight, ++fsr_state.next_id, blob, owner, fsr_now() + timeout, done, ctx, 0};
+    c->next = fsr_state.inflight;
+    c->id = ++fsr_state.next_id;
+    c->deadline = fsr_now() + timeout;
     fsr_state.inflight = c;
     unsigned long long open = __atomic_add_fetch(&fsr_stats.open_calls, 1, __ATOMIC_RELAXED);
     if (open > fsr_stats.peak_calls)
@@ -246,6 +260,13 @@ int fanstore_remote_fetch(int owner, uint64_t blob, double timeout, fanstore_rem
     pthread_mutex_unlock(&fsr_state.lock);
     fsr_poke(fsr_state.wake_fd);
     return 0;
+}
+
+int fanstore_remote_fetch(int owner, uint64_t blob, double timeout, fanstore_remote_done done, void *ctx) {
+    struct call proto = {.blob = blob, .owner = owner, .op = FSR_OP_FETCH, .done = done, .ctx = ctx};
+    if (blob < fanstore_blobs.n)
+        proto.hi = fanstore_blobs.stored[blob];
+    return fsr_add_call(&proto, timeout);
 }
 
 /* ------------------------------------------------------------------ Python */
@@ -427,7 +448,7 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
     return Py_BuildValue(
-        "{sisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "bells",
+        "{sisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "bells",
         fsr_state.gathered == 1, "polls", fsr_stats.polls, "bell_wakes", fsr_stats.bell_wakes, "served", fsr_stats.served,
         "served_io", fsr_stats.served_io, "served_bytes", fsr_stats.served_bytes, "bad_requests", fsr_stats.bad_requests,
         "error_replies", fsr_stats.error_replies, "fetched", fsr_stats.fetched, "fetched_bytes", fsr_stats.fetched_bytes,
@@ -435,5 +456,5 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
         fsr_stats.send_errors, "verified_by_worker", fsr_stats.verified_by_worker, "in_flight", fsr_stats.open_calls,
         "peak_in_flight", fsr_stats.peak_calls, "c_reads", fsr_stats.c_reads, "c_read_bytes",
         fsr_stats.c_read_bytes, "c_read_fallbacks", fsr_stats.c_read_fallbacks, "cache_offers",
-        fsr_stats.cache_offers);
+        fsr_stats.cache_offers, "c_range_reads", fsr_stats.c_range_reads);
 }
