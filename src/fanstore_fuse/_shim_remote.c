@@ -175,7 +175,7 @@ void fsr_answered(char *buf, size_t n) {
         return;
     }
     ADD(fetched_bytes, n - sizeof(*h));
-    if (n - sizeof(*h) <= DECODE_INLINE) {
+    if (n - sizeof(*h) <= DECODE_INLINE || c->op == FSR_OP_FRAMES) {
         fsr_verify(c, buf, n);
         return;
     }
