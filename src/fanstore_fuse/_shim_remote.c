@@ -356,9 +356,13 @@ PyObject *fanstore_py_remote_start(PyObject *self, PyObject *args) {
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, &old);
     int ok = pthread_create(&fsr_state.thread, NULL, fsr_thread, NULL) == 0;
-    for (int i = 0; ok && i < WORKERS; i++)
+    if (ok)
+        pthread_setname_np(fsr_state.thread, "fsr-remote"); /* for top -H, /proc/PID/task */
+    for (int i = 0; ok && i < WORKERS; i++) {
         if (pthread_create(&fsr_state.workers[i], NULL, fsr_worker, NULL) != 0)
             abort(); /* the remote thread runs: it needs its workers */
+        pthread_setname_np(fsr_state.workers[i], "fsr-worker");
+    }
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (!ok) {
         PyErr_SetString(PyExc_OSError, "cannot start the remote thread");
