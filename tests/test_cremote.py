@@ -159,17 +159,20 @@ def _odd_reads(path: str, data: bytes) -> int:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("damaged", [False, True])
-def test_range_reads_of_large_remote_blobs_in_c(tmp_path, mount_factory, damaged):
+@pytest.mark.parametrize("mode", ["range", "damaged", "disk_cache"])
+def test_range_reads_of_large_remote_blobs_in_c(tmp_path, mount_factory, mode):
     """READs inside a 4 MiB chunk held by the other rank travel as the frames that cover them
     (FSR_OP_FRAMES), answered in C; with rank 1's copy damaged, the C client refuses the bytes
-    and the Python fallback (then DEST) gives the right ones."""
+    and the Python fallback (then DEST) gives the right ones; with a disk cache, Python fetches
+    whole chunks through the C thread (decoded into the bytes it gets) and caches them."""
+    damaged = mode == "damaged"
     src, data = _large_tree(tmp_path)
     dest = prep_cli(src, tmp_path / "dest", "--chunk-mib", "4", "-p", "3")
     codecs = set(bytes(read_manifest(dest / MANIFEST_NAME).blobs["codec"]))
     assert codecs == {3}, codecs  # every chunk framed
+    env = {} if mode == "disk_cache" else {"FANSTORE_CACHE_SIZE": "0"}
     m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=2,
-                      local=str(tmp_path / "local" / "{rank}"), env={"FANSTORE_CACHE_SIZE": "0"})
+                      local=str(tmp_path / "local" / "{rank}"), env=env)
     if damaged:
         _damage_rank1(dest, tmp_path)
     mps = m.mountpoints[:1] if damaged else m.mountpoints
@@ -181,6 +184,10 @@ def test_range_reads_of_large_remote_blobs_in_c(tmp_path, mount_factory, damaged
     rs = status_ranks(m.status())
     for r in rs[:len(mps)]:
         c = r["c_remote"]
+        if mode == "disk_cache":
+            assert c["c_range_reads"] == 0 and r["stats"]["c_remote_reads"] > 0, r
+            assert c["corrupt"] == c["timeouts"] == r["stats"].get("c_remote_fallbacks", 0) == 0, r
+            continue
         assert c["c_range_reads"] > 0, r
         if damaged:
             assert c["corrupt"] > 0 and c["c_read_fallbacks"] > 0, r

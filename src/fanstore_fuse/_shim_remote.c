@@ -97,7 +97,7 @@ static void fsr_verify(struct call *c, char *buf, size_t n) {
     const struct fsr_header *h = (const struct fsr_header *)buf;
     uint64_t b = c->blob;
     size_t raw_len = fanstore_blobs.raw[b];
-    char *raw = malloc(raw_len ? raw_len : 1);
+    char *raw = c->into != NULL ? c->into : malloc(raw_len ? raw_len : 1);
     int rc = raw == NULL ? FANSTORE_BLOB_NOMEM
              : n - sizeof(*h) != fanstore_blobs.stored[b] ? FANSTORE_BLOB_CORRUPT
                                                           : fanstore_blob_decode(b, h + 1, raw);
@@ -107,7 +107,8 @@ static void fsr_verify(struct call *c, char *buf, size_t n) {
         fsr_complete(c, 0, raw, raw_len);
     } else {
         COUNT(corrupt);
-        free(raw);
+        if (raw != c->into)
+            free(raw);
         fsr_complete(c, rc == FANSTORE_BLOB_NOMEM ? -ENOMEM : -EIO, NULL, 0);
     }
 }
@@ -291,11 +292,14 @@ static void push_finished(struct finished *f) {
         fsr_poke(fsr_state.done_fd);
 }
 
+/* ctx: the tuple (token, bytes the raw bytes were decoded into), whose bytes go to Python
+ * as they are (`raw` points into them) */
 static void py_done(void *ctx, int status, char *raw, size_t n) {
     struct finished *f = malloc(sizeof(*f));
     if (f == NULL)
         abort(); /* a token would be lost: its reader would wait forever */
-    *f = (struct finished){NULL, (PyObject *)ctx, 0, status, raw, n};
+    *f = (struct finished){NULL, (PyObject *)ctx, 0, status, NULL, n};
+    (void)raw;
     push_finished(f);
 }
 
@@ -414,10 +418,19 @@ PyObject *fanstore_py_remote_fetch(PyObject *self, PyObject *args) {
     double timeout;
     if (!PyArg_ParseTuple(args, "iKOd", &owner, &blob, &token, &timeout))
         return NULL;
-    Py_INCREF(token);
-    int rc = fanstore_remote_fetch(owner, blob, timeout, py_done, token);
+    if (blob >= fanstore_blobs.n)
+        Py_RETURN_FALSE;
+    /* the reply is decoded straight into the bytes object Python gets: no copy on the way */
+    PyObject *into = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)fanstore_blobs.raw[blob]);
+    PyObject *ctx = into ? PyTuple_Pack(2, token, into) : NULL;
+    Py_XDECREF(into);
+    if (ctx == NULL)
+        return NULL;
+    struct call proto = {.blob = blob, .owner = owner, .op = FSR_OP_FETCH, .hi = fanstore_blobs.stored[blob],
+                         .done = py_done, .ctx = ctx, .into = PyBytes_AS_STRING(into)};
+    int rc = fsr_add_call(&proto, timeout);
     if (rc != 0)
-        Py_DECREF(token);
+        Py_DECREF(ctx);
     return PyBool_FromLong(rc == 0);
 }
 
@@ -433,10 +446,17 @@ PyObject *fanstore_py_remote_take(PyObject *self, PyObject *unused) {
     PyObject *out = PyList_New(0);
     while (f != NULL) {
         struct finished *next = f->next;
-        PyObject *data = f->raw ? PyBytes_FromStringAndSize(f->raw, (Py_ssize_t)f->n) : Py_None;
-        if (f->raw == NULL)
-            Py_INCREF(Py_None);
-        PyObject *token = f->token ? f->token : PyLong_FromUnsignedLongLong(f->blob);
+        PyObject *data, *token;
+        if (f->token != NULL) { /* (token, bytes): the bytes hold the blob when status is 0 */
+            token = PyTuple_GET_ITEM(f->token, 0);
+            data = f->status == 0 ? PyTuple_GET_ITEM(f->token, 1) : Py_None;
+            Py_INCREF(token);
+            Py_INCREF(data);
+            Py_DECREF(f->token);
+        } else {
+            data = PyBytes_FromStringAndSize(f->raw, (Py_ssize_t)f->n);
+            token = PyLong_FromUnsignedLongLong(f->blob);
+        }
         PyObject *item = data && out && token ? Py_BuildValue("(NiN)", token, f->status, data) : NULL;
         if (item == NULL || PyList_Append(out, item) != 0)
             abort(); /* out of memory with readers waiting */

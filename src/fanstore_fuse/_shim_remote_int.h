@@ -48,6 +48,8 @@ struct call { /* one request of this rank, in flight */
     int posted; /* its request was handed to MPI (under the lock) */
     int op;
     uint64_t lo, hi; /* the request's range (FETCH: stored, the whole blob; FRAMES: raw) */
+    char *into;      /* FETCH: decode the raw bytes here (raw[blob] bytes, not freed), not into
+                        a malloc'd buffer: a Python bytes object made by remote_fetch */
 };
 
 struct out { /* a message for the remote thread to send (a worker's reply) */
