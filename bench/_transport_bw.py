@@ -113,6 +113,7 @@ def main() -> None:
     ap.add_argument("--small", type=int, default=400, help="small blobs fetched one at a time")
     ap.add_argument("--window", type=int, default=4, help="large blobs in flight")
     ap.add_argument("--large-max", type=int, default=64, help="most large blobs fetched")
+    ap.add_argument("--large-rounds", type=int, default=1, help="times the large blobs are fetched")
     a = ap.parse_args()
     comm = MPI.COMM_WORLD
     comm.Set_errhandler(MPI.ERRORS_RETURN)
@@ -176,15 +177,22 @@ def main() -> None:
                     data = await source.fetch(b)  # not `nbytes += len(await ...)`: that reads
                     nbytes += len(data)  # nbytes before the await and loses the other workers' adds
 
-            t0 = time.perf_counter()
+            c0, t0 = cpu(), time.perf_counter()
+            client_threads.append(thread_cpu())
             async with trio.open_nursery() as n:
                 for _ in range(a.window):
                     n.start_soon(worker)
                 async with send:
-                    for b in large:
+                    for b in large * a.large_rounds:
                         await send.send(b)
             dt = time.perf_counter() - t0
-            out["large"] = {"blobs": len(large), "window": a.window, "MB_per_s": nbytes / dt / 1e6}
+            client_threads.append(thread_cpu())
+            before, after = client_threads[-2:]
+            out["large"] = {"blobs": len(large) * a.large_rounds, "window": a.window,
+                            "MB_per_s": nbytes / dt / 1e6,
+                            "client_cpu_ms_per_GB": (cpu() - c0) / nbytes * 1e12,
+                            "client_threads_ms_per_GB": {k: round((v - before.get(k, 0)) / nbytes * 1e12)
+                                                         for k, v in after.items()}}
         await mark("done")
 
     async def mark(name: str) -> None:
@@ -219,6 +227,12 @@ def main() -> None:
         ctl.send((marks, threads), dest=0, tag=10)
     else:
         marks, threads = ctl.recv(source=1, tag=10)
+        if "large" in out:  # the server's CPU between the marks around the large phase
+            gb = out["large"]["blobs"] * out["raw_message_bytes"] / 1e12
+            out["large"]["server_cpu_ms_per_GB"] = (marks["done"] - marks["small_end"]) / gb
+            t0, t1 = threads["small_end"], threads["done"]
+            out["large"]["server_threads_ms_per_GB"] = {
+                k: round((v - t0.get(k, 0)) / gb) for k, v in t1.items() if k != "polls"}
         if "small" in out:
             out["small"]["server_cpu_us"] = (marks["small_end"] - marks["small_start"]) / len(small) * 1e6
             out["small"]["cpu_us"] = out["small"]["server_cpu_us"] + out["small"]["client_cpu_us"]

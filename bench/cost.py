@@ -213,12 +213,18 @@ def run_large(work: Path, src: Path, rounds: int) -> dict:
     try:
         path = os.path.join(fan.mps[0], rel)
         drop_caches()
+        pids = fan.pids()
+        c0 = cpu_seconds(pids)
         out["fuse_cold_MB_per_s"] = read_chunks(path, chunks)
+        out["fuse_cold_cpu_ms_per_GB"] = (cpu_seconds(pids) - c0) / (len(chunks) * 4 << 20) * 1e12
         warm = [read_chunks(path, chunks) for _ in range(rounds)]
         out["fuse_warm_server_MB_per_s"] = sorted(warm)[len(warm) // 2]
         out["fuse_warm_server_runs"] = [round(x) for x in warm]
         out["chunks"] = len(chunks)
         out["command"] = fan.command
+        c = json.loads(os.getxattr(fan.mps[0], "user.fanstore.status"))["ranks"][0].get("c_remote", {})
+        out["rank0_c_remote"] = {k: c.get(k) for k in ("c_reads", "c_range_reads", "c_read_fallbacks",
+                                                        "fetched_bytes", "corrupt")}
     finally:
         fan.close()
     return out
@@ -372,10 +378,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="also measure remote reads with this daemon environment, K=V[,K2=V2] (repeatable)")
     ap.add_argument("--no-squashfuse", action="store_true")
     ap.add_argument("--no-large", action="store_true", help="skip remote large reads vs raw MPI")
+    ap.add_argument("--only-large", action="store_true", help="only remote large reads vs raw MPI")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved warm passes per mount")
     ap.add_argument("--profile", action="store_true", help="py-spy the remote read (extra run)")
     args = ap.parse_args(argv)
     work = Path(args.work)
+    if args.only_large:
+        try:
+            print(json.dumps({"large": run_large(work, work, args.rounds), "loadavg": os.getloadavg()}))
+        finally:
+            teardown_all()
+        return 0
     src, dest, rels = prep_tree(work, args.files)
     res: dict = {"files": len(rels), "loadavg_start": os.getloadavg()}
     try:

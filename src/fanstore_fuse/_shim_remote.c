@@ -3,6 +3,7 @@
  * remote thread: _shim_remote_mpi.c. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <malloc.h>
 #include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -33,10 +34,13 @@ char *fsr_error_reply(const struct fsr_header *req, int err, size_t *n) {
  * the disk must be read), or an error reply. */
 char *fsr_serve(const struct fsr_header *req, int nowait, size_t *n, int *again) {
     *again = 0;
-    if (req->magic != FSR_MAGIC || req->version != FSR_VERSION || req->op != FSR_OP_FETCH) {
+    if (req->magic != FSR_MAGIC || req->version != FSR_VERSION ||
+        (req->op != FSR_OP_FETCH && req->op != FSR_OP_FRAMES)) {
         COUNT(bad_requests);
         return fsr_error_reply(req, EPROTO, n);
     }
+    if (req->op == FSR_OP_FRAMES)
+        return fsr_serve_frames(req, nowait, n, again);
     uint64_t b = req->blob;
     if (b >= fanstore_blobs.n || !fanstore_blob_held(b))
         return fsr_error_reply(req, ENOENT, n);
@@ -77,17 +81,24 @@ void fsr_push_job(struct job *j) {
 
 /* ------------------------------------------------------------------ calls */
 
-static void fsr_complete(struct call *c, int status, char *raw, size_t n) {
+void fsr_complete(struct call *c, int status, char *raw, size_t n) {
     __atomic_sub_fetch(&fsr_stats.open_calls, 1, __ATOMIC_RELAXED);
-    c->done(c->ctx, status, raw, n);
+    if (c->view != NULL)
+        c->view(c->ctx, status, raw, n);
+    else
+        c->done(c->ctx, status, raw, n);
     free(c);
 }
 
 static void fsr_verify(struct call *c, char *buf, size_t n) {
+    if (c->op == FSR_OP_FRAMES) {
+        fsr_verify_frames(c, buf, n);
+        return;
+    }
     const struct fsr_header *h = (const struct fsr_header *)buf;
     uint64_t b = c->blob;
     size_t raw_len = fanstore_blobs.raw[b];
-    char *raw = malloc(raw_len ? raw_len : 1);
+    char *raw = c->into != NULL ? c->into : malloc(raw_len ? raw_len : 1);
     int rc = raw == NULL ? FANSTORE_BLOB_NOMEM
              : n - sizeof(*h) != fanstore_blobs.stored[b] ? FANSTORE_BLOB_CORRUPT
                                                           : fanstore_blob_decode(b, h + 1, raw);
@@ -97,7 +108,8 @@ static void fsr_verify(struct call *c, char *buf, size_t n) {
         fsr_complete(c, 0, raw, raw_len);
     } else {
         COUNT(corrupt);
-        free(raw);
+        if (raw != c->into)
+            free(raw);
         fsr_complete(c, rc == FANSTORE_BLOB_NOMEM ? -ENOMEM : -EIO, NULL, 0);
     }
 }
@@ -151,7 +163,7 @@ void fsr_answered(char *buf, size_t n) {
         free(buf);
         return;
     }
-    if (h->magic != FSR_MAGIC || h->version != FSR_VERSION || h->blob != c->blob) {
+    if (h->magic != FSR_MAGIC || h->version != FSR_VERSION || h->op != c->op || h->blob != c->blob) {
         COUNT(corrupt);
         free(buf);
         fsr_finish(c, -EPROTO);
@@ -165,7 +177,7 @@ void fsr_answered(char *buf, size_t n) {
         return;
     }
     ADD(fetched_bytes, n - sizeof(*h));
-    if (n - sizeof(*h) <= DECODE_INLINE) {
+    if (n - sizeof(*h) <= DECODE_INLINE || c->op == FSR_OP_FRAMES) {
         fsr_verify(c, buf, n);
         return;
     }
@@ -232,9 +244,9 @@ int fanstore_remote_ready(void) {
            !__atomic_load_n(&fsr_state.stopping, __ATOMIC_ACQUIRE);
 }
 
-int fanstore_remote_fetch(int owner, uint64_t blob, double timeout, fanstore_remote_done done, void *ctx) {
-    if (!fanstore_remote_ready() || owner < 0 || owner >= fsr_state.size || owner == fsr_state.rank ||
-        blob >= fanstore_blobs.n)
+int fsr_add_call(const struct call *proto, double timeout) {
+    if (!fanstore_remote_ready() || proto->owner < 0 || proto->owner >= fsr_state.size ||
+        proto->owner == fsr_state.rank || proto->blob >= fanstore_blobs.n)
         return -EAGAIN;
     struct call *c = malloc(sizeof(*c));
     struct fsr_header *h = fsr_direct ? malloc(sizeof(*h)) : NULL;
@@ -242,9 +254,13 @@ int fanstore_remote_fetch(int owner, uint64_t blob, double timeout, fanstore_rem
         free(c);
         return -EAGAIN;
     }
+    *c = *proto;
+    c->posted = fsr_direct;
     pthread_mutex_lock(&fsr_state.lock);
     uint64_t id = ++fsr_state.next_id;
-    *c = (struct call){fsr_state.inflight, id, blob, owner, fsr_now() + timeout, done, ctx, fsr_direct};
+    c->next = fsr_state.inflight;
+    c->id = id;
+    c->deadline = fsr_now() + timeout;
     fsr_state.inflight = c;
     unsigned long long open = __atomic_add_fetch(&fsr_stats.open_calls, 1, __ATOMIC_RELAXED);
     if (open > fsr_stats.peak_calls)
@@ -256,7 +272,8 @@ int fanstore_remote_fetch(int owner, uint64_t blob, double timeout, fanstore_rem
     }
     /* sent from this thread (MPI_THREAD_MULTIPLE): no wake-up of the remote thread, which
      * may already have the reply (and freed c) when fsr_send returns */
-    *h = (struct fsr_header){FSR_MAGIC, FSR_VERSION, FSR_OP_FETCH, 0, id, blob, 0, fanstore_blobs.stored[blob]};
+    int owner = proto->owner;
+    *h = (struct fsr_header){FSR_MAGIC, FSR_VERSION, (uint8_t)proto->op, 0, id, proto->blob, proto->lo, proto->hi};
     if (fsr_send(owner, FSR_TAG_REQUEST, (char *)h, sizeof(*h), 0) != 0) {
         COUNT(peer_errors);
         fsr_suspect(owner);
@@ -264,6 +281,13 @@ int fanstore_remote_fetch(int owner, uint64_t blob, double timeout, fanstore_rem
             fsr_finish(c, -EIO);
     }
     return 0;
+}
+
+int fanstore_remote_fetch(int owner, uint64_t blob, double timeout, fanstore_remote_done done, void *ctx) {
+    struct call proto = {.blob = blob, .owner = owner, .op = FSR_OP_FETCH, .done = done, .ctx = ctx};
+    if (blob < fanstore_blobs.n)
+        proto.hi = fanstore_blobs.stored[blob];
+    return fsr_add_call(&proto, timeout);
 }
 
 /* ------------------------------------------------------------------ Python */
@@ -288,11 +312,14 @@ static void push_finished(struct finished *f) {
         fsr_poke(fsr_state.done_fd);
 }
 
+/* ctx: the tuple (token, bytes the raw bytes were decoded into), whose bytes go to Python
+ * as they are (`raw` points into them) */
 static void py_done(void *ctx, int status, char *raw, size_t n) {
     struct finished *f = malloc(sizeof(*f));
     if (f == NULL)
         abort(); /* a token would be lost: its reader would wait forever */
-    *f = (struct finished){NULL, (PyObject *)ctx, 0, status, raw, n};
+    *f = (struct finished){NULL, (PyObject *)ctx, 0, status, NULL, n};
+    (void)raw;
     push_finished(f);
 }
 
@@ -345,6 +372,12 @@ PyObject *fanstore_py_remote_start(PyObject *self, PyObject *args) {
     memset(&fsr_stats, 0, sizeof(fsr_stats));
     if (fsr_state.suspect_until == NULL)
         fsr_state.suspect_until = calloc((size_t)size, sizeof(int64_t)); /* NULL: nobody suspect */
+    /* Large transfers (replies of MiBs, their receive and decode buffers) reuse freed heap
+     * memory instead of fresh mmaps, whose every page is a fault and a zeroing: as much CPU as
+     * the copy itself (docs/performance.md, sixth session). Memory kept: the heap's free top,
+     * up to LARGE_KEEP per malloc arena. */
+    mallopt(M_MMAP_THRESHOLD, LARGE_MMAP);
+    mallopt(M_TRIM_THRESHOLD, LARGE_KEEP);
     sigset_t all, old; /* signals stay with the Python threads */
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, &old);
@@ -407,10 +440,19 @@ PyObject *fanstore_py_remote_fetch(PyObject *self, PyObject *args) {
     double timeout;
     if (!PyArg_ParseTuple(args, "iKOd", &owner, &blob, &token, &timeout))
         return NULL;
-    Py_INCREF(token);
-    int rc = fanstore_remote_fetch(owner, blob, timeout, py_done, token);
+    if (blob >= fanstore_blobs.n)
+        Py_RETURN_FALSE;
+    /* the reply is decoded straight into the bytes object Python gets: no copy on the way */
+    PyObject *into = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)fanstore_blobs.raw[blob]);
+    PyObject *ctx = into ? PyTuple_Pack(2, token, into) : NULL;
+    Py_XDECREF(into);
+    if (ctx == NULL)
+        return NULL;
+    struct call proto = {.blob = blob, .owner = owner, .op = FSR_OP_FETCH, .hi = fanstore_blobs.stored[blob],
+                         .done = py_done, .ctx = ctx, .into = PyBytes_AS_STRING(into)};
+    int rc = fsr_add_call(&proto, timeout);
     if (rc != 0)
-        Py_DECREF(token);
+        Py_DECREF(ctx);
     return PyBool_FromLong(rc == 0);
 }
 
@@ -426,10 +468,17 @@ PyObject *fanstore_py_remote_take(PyObject *self, PyObject *unused) {
     PyObject *out = PyList_New(0);
     while (f != NULL) {
         struct finished *next = f->next;
-        PyObject *data = f->raw ? PyBytes_FromStringAndSize(f->raw, (Py_ssize_t)f->n) : Py_None;
-        if (f->raw == NULL)
-            Py_INCREF(Py_None);
-        PyObject *token = f->token ? f->token : PyLong_FromUnsignedLongLong(f->blob);
+        PyObject *data, *token;
+        if (f->token != NULL) { /* (token, bytes): the bytes hold the blob when status is 0 */
+            token = PyTuple_GET_ITEM(f->token, 0);
+            data = f->status == 0 ? PyTuple_GET_ITEM(f->token, 1) : Py_None;
+            Py_INCREF(token);
+            Py_INCREF(data);
+            Py_DECREF(f->token);
+        } else {
+            data = PyBytes_FromStringAndSize(f->raw, (Py_ssize_t)f->n);
+            token = PyLong_FromUnsignedLongLong(f->blob);
+        }
         PyObject *item = data && out && token ? Py_BuildValue("(NiN)", token, f->status, data) : NULL;
         if (item == NULL || PyList_Append(out, item) != 0)
             abort(); /* out of memory with readers waiting */
@@ -445,7 +494,7 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
     return Py_BuildValue(
-        "{sisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "bells",
+        "{sisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "bells",
         fsr_state.gathered == 1, "polls", fsr_stats.polls, "bell_wakes", fsr_stats.bell_wakes, "served", fsr_stats.served,
         "served_io", fsr_stats.served_io, "served_bytes", fsr_stats.served_bytes, "bad_requests", fsr_stats.bad_requests,
         "error_replies", fsr_stats.error_replies, "fetched", fsr_stats.fetched, "fetched_bytes", fsr_stats.fetched_bytes,
@@ -453,5 +502,5 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
         fsr_stats.send_errors, "verified_by_worker", fsr_stats.verified_by_worker, "in_flight", fsr_stats.open_calls,
         "peak_in_flight", fsr_stats.peak_calls, "c_reads", fsr_stats.c_reads, "c_read_bytes",
         fsr_stats.c_read_bytes, "c_read_fallbacks", fsr_stats.c_read_fallbacks, "cache_offers",
-        fsr_stats.cache_offers, "send_waits", fsr_stats.send_waits);
+        fsr_stats.cache_offers, "c_range_reads", fsr_stats.c_range_reads, "send_waits", fsr_stats.send_waits);
 }

@@ -10,7 +10,10 @@
  *
  * The wire format, in one place: every message is one fsr_header (host byte order: the ranks
  * of one job share the architecture), a request alone, a reply followed by the stored bytes
- * [lo, hi) of the blob. Requests travel with FSR_TAG_REQUEST, replies with FSR_TAG_REPLY and
+ * [lo, hi) of the blob (FSR_OP_FETCH), or, for FSR_OP_FRAMES (a request for the raw bytes
+ * [lo, hi) of a framed blob), a reply whose lo, hi are the stored range of the frames that
+ * cover them, followed by the blob's frame table and those frames (_shim_remote_range.c).
+ * Requests travel with FSR_TAG_REQUEST, replies with FSR_TAG_REPLY and
  * the request's id; a reply with err != 0 carries no bytes. A request that does not decode is
  * answered EPROTO; a blob not held here ENOENT; a range outside the blob EINVAL; a failed read
  * EIO. The requester verifies (the manifest's xxh3, every frame's): bytes that fail it never
@@ -30,10 +33,11 @@
 #include <stdint.h>
 
 #define FSR_MAGIC 0x5246 /* "FR" */
-#define FSR_VERSION 1
+#define FSR_VERSION 2 /* 2: FSR_OP_FRAMES */
 #define FSR_TAG_REQUEST 200
 #define FSR_TAG_REPLY 201
-#define FSR_OP_FETCH 1 /* stored bytes [lo, hi) of blob */
+#define FSR_OP_FETCH 1  /* stored bytes [lo, hi) of blob */
+#define FSR_OP_FRAMES 2 /* raw bytes [lo, hi) of a framed blob: its table and covering frames */
 
 struct fsr_header {
     uint16_t magic;
@@ -55,6 +59,16 @@ typedef void (*fanstore_remote_done)(void *ctx, int status, char *raw, size_t n)
  * _shim_blobs.h); `done` is called exactly once. 0, or -EAGAIN when the remote thread is not
  * running (the caller serves the read another way). */
 int fanstore_remote_fetch(int owner, uint64_t blob, double timeout, fanstore_remote_done done, void *ctx);
+
+/* A range call's outcome: status 0 and the verified raw bytes asked for, valid only during
+ * the call (the callee copies what it keeps), or a negative errno as above. */
+typedef void (*fanstore_remote_view)(void *ctx, int status, const char *bytes, size_t n);
+
+/* Ask rank `owner` for the raw bytes [lo, hi) of framed `blob` (FSR_OP_FRAMES: only the
+ * frames covering them travel, with the table; each is checked here); `view` is called
+ * exactly once. 0, -EAGAIN (no remote thread), or -EINVAL (not framed, bad range). */
+int fanstore_remote_fetch_range(int owner, uint64_t blob, uint64_t lo, uint64_t hi, double timeout,
+                                fanstore_remote_view view, void *ctx);
 
 /* Whether `rank` timed out or refused a send in the last SUSPECT_SECONDS (READs in C then
  * leave its blobs to Python, which tries the other copies first). */

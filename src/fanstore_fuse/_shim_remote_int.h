@@ -42,9 +42,14 @@ struct call { /* one request of this rank, in flight */
     uint64_t id, blob;
     int owner;
     double deadline;
-    fanstore_remote_done done;
+    fanstore_remote_done done; /* FSR_OP_FETCH: the whole blob, or */
+    fanstore_remote_view view; /* FSR_OP_FRAMES: raw bytes [lo, hi) */
     void *ctx;
     int posted; /* its request was handed to MPI (under the lock) */
+    int op;
+    uint64_t lo, hi; /* the request's range (FETCH: stored, the whole blob; FRAMES: raw) */
+    char *into;      /* FETCH: decode the raw bytes here (raw[blob] bytes, not freed), not into
+                        a malloc'd buffer: a Python bytes object made by remote_fetch */
 };
 
 struct out { /* a message for the remote thread to send, or one sent already (`posted`: its
@@ -99,7 +104,7 @@ struct fsr_stats {
     unsigned long long polls, bell_wakes, served, served_io, served_bytes, bad_requests,
         error_replies, fetched, fetched_bytes, corrupt, timeouts, peer_errors, send_errors,
         verified_by_worker, open_calls, peak_calls, c_reads, c_read_bytes, c_read_fallbacks,
-        cache_offers, send_waits;
+        cache_offers, c_range_reads, send_waits;
 };
 extern struct fsr_stats fsr_stats;
 
@@ -129,9 +134,14 @@ char *fsr_error_reply(const struct fsr_header *req, int err, size_t *n);
 char *fsr_serve(const struct fsr_header *req, int nowait, size_t *n, int *again);
 void fsr_push_job(struct job *j);
 void fsr_finish(struct call *c, int status);
+void fsr_complete(struct call *c, int status, char *raw, size_t n); /* calls done or view */
+int fsr_add_call(const struct call *proto, double timeout); /* fanstore_remote_fetch's core */
 void fsr_answered(char *buf, size_t n);
 void *fsr_worker(void *unused);
 void fsr_offer(uint64_t blob, char *raw, size_t n); /* raw bytes for the disk cache (taken over) */
+/* _shim_remote_range.c: FSR_OP_FRAMES */
+char *fsr_serve_frames(const struct fsr_header *req, int nowait, size_t *n, int *again);
+void fsr_verify_frames(struct call *c, char *buf, size_t n);
 /* _shim_remote_mpi.c: MPI and the remote thread */
 const char *fsr_find_mpi(const char *path);
 void fsr_queue_out(int dest, int tag, char *buf, size_t n);
@@ -145,5 +155,7 @@ void fsr_suspect(int rank); /* skipped by READs in C for SUSPECT_SECONDS */
 void fsr_reap(double t, int all); /* finish calls past their deadline (all: every call) */
 struct call *fsr_unlink_call(uint64_t id); /* the call of this id, taken out of inflight */
 #define SUSPECT_SECONDS 30.0 /* as _cluster.SUSPECT_SECONDS */
+#define LARGE_MMAP (32 << 20) /* malloc: blocks below this come from the heap, not mmap */
+#define LARGE_KEEP (64 << 20) /* malloc: free heap top kept, not returned to the kernel */
 
 #endif

@@ -175,8 +175,8 @@ static int fsr_start_calls(void) {
         if (c->posted || (todo[n] = malloc(sizeof(struct fsr_header))) == NULL)
             continue; /* no memory: its deadline ends it */
         c->posted = 1;
-        *todo[n++] = (struct fsr_header){FSR_MAGIC, FSR_VERSION, FSR_OP_FETCH, c->owner, c->id, c->blob, 0,
-                                         fanstore_blobs.stored[c->blob]};
+        *todo[n++] = (struct fsr_header){FSR_MAGIC, FSR_VERSION, (uint8_t)c->op, c->owner, c->id, c->blob,
+                                         c->lo, c->hi};
     }
     struct out *o = fsr_state.outq;
     fsr_state.outq = NULL;

@@ -9,11 +9,14 @@
  * - the READ lies in one blob, not held here, not in the disk cache (its slot in
  *   DiskCache's index is 0: a cached blob is read from the cache by Python);
  * - the blob is at most WHOLE_MAX raw bytes, or the READ covers all of it: the whole blob
- *   travels and is verified (larger framed blobs go to Python, whose blob cache serves the
- *   rest of a chunk from one fetch).
+ *   travels and is verified, then is offered to the disk cache when there is one (Python's
+ *   CRemote.run puts it);
+ * - or the blob is framed and larger, and there is no disk cache: only the frames that cover
+ *   the READ travel, with the frame table (FSR_OP_FRAMES, _shim_remote_range.c), each checked
+ *   here. With a disk cache such READs go to Python, whose blob cache serves the rest of a
+ *   chunk from one fetch and puts the chunk in the disk cache.
  * The call goes to the blob's primary owner; its reply (verified in C: nothing that failed a
- * check is ever sent) is answered with fuse_reply_buf, then offered to the disk cache when
- * there is one (Python's CRemote.run puts it). A time-out, an error reply or bad bytes hand
+ * check is ever sent) is answered with fuse_reply_buf. A time-out, an error reply or bad bytes hand
  * the READ to Python on a thread of its own (the fallback: _cremote's, which logs, marks a
  * silent peer, and reads through Operations.read: replicas, DEST, EIO).
  */
@@ -45,7 +48,7 @@ struct rread {
     fuse_req_t req;
     uint64_t ino, off, blob, lo, hi;
     uint32_t size;
-    int owner, status;
+    int owner, status, range; /* range: FSR_OP_FRAMES for [lo, hi) */
 };
 
 static int take(uint64_t ino, uint64_t fh, uint64_t off, uint64_t size, struct rread *r) {
@@ -60,13 +63,14 @@ static int take(uint64_t ino, uint64_t fh, uint64_t off, uint64_t size, struct r
     if ((end - 1) / chunk != k || k >= fanstore_ds.count[j])
         return 0;
     uint64_t b = fanstore_ds.first[j] + k, base = k * chunk, raw = fanstore_blobs.raw[b];
+    int range = raw > WHOLE_MAX && !(off == base && end - base == raw);
     if (fanstore_blob_held(b) || (cache_loc != NULL && cache_loc[b] != 0) ||
-        (raw > WHOLE_MAX && !(off == base && end - base == raw)))
+        (range && (cache_loc != NULL || fanstore_blobs.codec[b] != FANSTORE_CODEC_FRAMED)))
         return 0;
     if (fanstore_remote_suspect(own[b]))
         return 0;
     *r = (struct rread){.ino = ino, .off = off, .blob = b, .lo = off - base, .hi = end - base,
-                        .size = (uint32_t)size, .owner = own[b]};
+                        .size = (uint32_t)size, .owner = own[b], .range = range};
     return 1;
 }
 
@@ -95,6 +99,33 @@ static void *fallback_main(void *arg) {
     return NULL;
 }
 
+static void fall_back(struct rread *r, int status) {
+    r->status = status ? status : -EIO;
+    sigset_t all, old; /* signals stay with the Python threads */
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    pthread_t t;
+    int made = pthread_create(&t, NULL, fallback_main, r) == 0;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (made)
+        pthread_detach(t);
+    else
+        fallback_main(r); /* on this thread: the remote thread waits, the reader gets its bytes */
+}
+
+static void range_done(void *ctx, int status, const char *bytes, size_t n) {
+    struct rread *r = ctx;
+    if (status == 0 && n == r->hi - r->lo) {
+        reply_buf(r->req, bytes, n);
+        COUNT(c_reads);
+        COUNT(c_range_reads);
+        ADD(c_read_bytes, n);
+        free(r);
+        return;
+    }
+    fall_back(r, status);
+}
+
 static void read_done(void *ctx, int status, char *raw, size_t n) {
     struct rread *r = ctx;
     if (status == 0 && r->hi <= n) {
@@ -111,17 +142,7 @@ static void read_done(void *ctx, int status, char *raw, size_t n) {
         return;
     }
     free(raw);
-    r->status = status ? status : -EIO;
-    sigset_t all, old; /* signals stay with the Python threads */
-    sigfillset(&all);
-    pthread_sigmask(SIG_BLOCK, &all, &old);
-    pthread_t t;
-    int made = pthread_create(&t, NULL, fallback_main, r) == 0;
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
-    if (made)
-        pthread_detach(t);
-    else
-        fallback_main(r); /* on this thread: the remote thread waits, the reader gets its bytes */
+    fall_back(r, status);
 }
 
 static void remote_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi) {
@@ -134,7 +155,8 @@ static void remote_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, 
     if (p != NULL) {
         *p = r;
         p->req = req;
-        if (fanstore_remote_fetch(p->owner, p->blob, timeout, read_done, p) == 0)
+        if ((p->range ? fanstore_remote_fetch_range(p->owner, p->blob, p->lo, p->hi, timeout, range_done, p)
+                      : fanstore_remote_fetch(p->owner, p->blob, timeout, read_done, p)) == 0)
             return;
         free(p);
     }

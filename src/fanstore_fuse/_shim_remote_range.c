@@ -1,0 +1,98 @@
+/* Remote reads of part of a framed blob (FSR_OP_FRAMES, issue 11): the server sends the
+ * blob's frame table and the stored frames that cover a raw byte range; the requester checks
+ * the table against the manifest's xxh3 and every frame against its own, and hands out only
+ * the bytes asked for. A READ of 128 KiB inside a remote 4 MiB chunk then moves 128 KiB and a
+ * table (3 KiB for 256 frames of 16 KiB), not the chunk. The wire format: _shim_remote.h. */
+#include "_shim_remote_int.h"
+
+/* The reply to a FRAMES request for blob `req->blob`'s raw bytes [req->lo, req->hi): as
+ * fsr_serve (nowait: page cache only, NULL and *again when the disk must be read). */
+char *fsr_serve_frames(const struct fsr_header *req, int nowait, size_t *n, int *again) {
+    const struct fanstore_blobs *bl = &fanstore_blobs;
+    uint64_t b = req->blob;
+    if (b >= bl->n || !fanstore_blob_held(b))
+        return fsr_error_reply(req, ENOENT, n);
+    if (bl->codec[b] != FANSTORE_CODEC_FRAMED || req->lo >= req->hi || req->hi > bl->raw[b])
+        return fsr_error_reply(req, EINVAL, n);
+    const struct fanstore_ftable *t;
+    int rc = fanstore_table_get(b, nowait, &t);
+    if (rc == FANSTORE_BLOB_AGAIN) {
+        *again = 1;
+        return NULL;
+    }
+    if (rc != FANSTORE_BLOB_OK)
+        return fsr_error_reply(req, rc == FANSTORE_BLOB_NOT_HELD ? ENOENT : EIO, n);
+    uint32_t k0 = (uint32_t)(req->lo / t->frame_size), k1 = (uint32_t)((req->hi - 1) / t->frame_size);
+    uint64_t tlen = t->offsets[0], flo = t->offsets[k0], fhi = t->offsets[k1 + 1];
+    fanstore_table_put(t);
+    size_t len = (size_t)(tlen + fhi - flo);
+    char *buf = malloc(sizeof(struct fsr_header) + len);
+    if (buf == NULL)
+        return fsr_error_reply(req, ENOMEM, n);
+    char *body = buf + sizeof(struct fsr_header);
+    rc = fanstore_blob_pread(b, 0, (size_t)tlen, body, nowait);
+    if (rc == FANSTORE_BLOB_OK)
+        rc = fanstore_blob_pread(b, flo, (size_t)(fhi - flo), body + tlen, nowait);
+    if (rc != FANSTORE_BLOB_OK) {
+        free(buf);
+        if (rc == FANSTORE_BLOB_AGAIN) {
+            *again = 1;
+            return NULL;
+        }
+        return fsr_error_reply(req, rc == FANSTORE_BLOB_NOT_HELD ? ENOENT : EIO, n);
+    }
+    struct fsr_header *h = (struct fsr_header *)buf;
+    *h = *req;
+    h->err = 0;
+    h->lo = flo;
+    h->hi = fhi;
+    *n = sizeof(*h) + len;
+    COUNT(served);
+    ADD(served_bytes, len);
+    return buf;
+}
+
+/* Check the reply `buf` (`n` bytes, header checked by fsr_answered) to FRAMES call `c` and
+ * complete it: the raw bytes [c->lo, c->hi), or -EIO when anything fails a check. Frees buf. */
+void fsr_verify_frames(struct call *c, char *buf, size_t n) {
+    const struct fsr_header *h = (const struct fsr_header *)buf;
+    const char *body = buf + sizeof(*h), *raw = NULL;
+    size_t len = n - sizeof(*h);
+    uint64_t b = c->blob;
+    struct fanstore_ftable *t;
+    char *out = NULL;
+    int rc = fanstore_table_parse(body, len, fanstore_blobs.stored[b], fanstore_blobs.raw[b],
+                                  fanstore_blobs.xxh3[b], &t);
+    if (rc == FANSTORE_BLOB_OK) {
+        uint32_t k0 = (uint32_t)(c->lo / t->frame_size), k1 = (uint32_t)((c->hi - 1) / t->frame_size);
+        uint64_t tlen = t->offsets[0];
+        if (k1 >= t->count || h->lo != t->offsets[k0] || h->hi != t->offsets[k1 + 1] ||
+            len != tlen + h->hi - h->lo)
+            rc = FANSTORE_BLOB_CORRUPT;
+        else if (!fanstore_frames_raw(t, k0, k1) &&
+                 (out = malloc((size_t)(k1 - k0 + 1) * t->frame_size)) == NULL)
+            rc = FANSTORE_BLOB_NOMEM;
+        else if ((rc = fanstore_frames_decode(t, k0, k1, body + tlen, out)) == FANSTORE_BLOB_OK)
+            raw = (out != NULL ? out : body + tlen) + (c->lo - (uint64_t)k0 * t->frame_size);
+        fanstore_table_put(t);
+    }
+    if (rc == FANSTORE_BLOB_OK) {
+        COUNT(fetched);
+        fsr_complete(c, 0, (char *)raw, (size_t)(c->hi - c->lo)); /* a view: freed below */
+    } else {
+        COUNT(corrupt);
+        fsr_complete(c, rc == FANSTORE_BLOB_NOMEM ? -ENOMEM : -EIO, NULL, 0);
+    }
+    free(out);
+    free(buf);
+}
+
+int fanstore_remote_fetch_range(int owner, uint64_t blob, uint64_t lo, uint64_t hi, double timeout,
+                                fanstore_remote_view view, void *ctx) {
+    if (blob >= fanstore_blobs.n || fanstore_blobs.codec[blob] != FANSTORE_CODEC_FRAMED || lo >= hi ||
+        hi > fanstore_blobs.raw[blob])
+        return -EINVAL;
+    struct call proto = {.blob = blob, .owner = owner, .op = FSR_OP_FRAMES, .lo = lo, .hi = hi,
+                         .view = view, .ctx = ctx};
+    return fsr_add_call(&proto, timeout);
+}
