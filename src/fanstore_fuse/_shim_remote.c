@@ -369,6 +369,8 @@ PyObject *fanstore_py_remote_start(PyObject *self, PyObject *args) {
     fsr_state.stopping = fsr_state.ready = fsr_state.gathered = 0;
     const char *direct = getenv("FANSTORE_CREMOTE_DIRECT"); /* 0: every send by the remote thread */
     fsr_direct = direct == NULL || strcmp(direct, "0") != 0;
+    const char *idle = getenv("FANSTORE_MPI_BELL_IDLE"); /* as the Python MPI thread's */
+    fsr_idle = idle != NULL && atof(idle) > 0 ? atof(idle) : 0.05;
     memset(&fsr_stats, 0, sizeof(fsr_stats));
     if (fsr_state.suspect_until == NULL)
         fsr_state.suspect_until = calloc((size_t)size, sizeof(int64_t)); /* NULL: nobody suspect */

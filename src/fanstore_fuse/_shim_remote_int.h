@@ -150,6 +150,8 @@ void fsr_queue_out(int dest, int tag, char *buf, size_t n);
  * the first after the usual completion time), then handed to the remote thread. */
 int fsr_send(int dest, int tag, char *buf, size_t n, double linger);
 extern int fsr_direct; /* requests and workers' replies sent by their own thread (else: queued) */
+extern double fsr_idle; /* longest sleep with bells (FANSTORE_MPI_BELL_IDLE); a tenth of it with
+                          calls in flight */
 void *fsr_thread(void *unused);
 void fsr_suspect(int rank); /* skipped by READs in C for SUSPECT_SECONDS */
 void fsr_reap(double t, int all); /* finish calls past their deadline (all: every call) */
