@@ -17,6 +17,7 @@
 | `FANSTORE_MPI_REPLY_POLL` | 2e-05 | first poll interval (s) while replies are due (0: idle backoff) |
 | `FANSTORE_MPI_BACKOFF` | 2.0 | growth of the MPI thread's poll interval while nothing arrives (1: fixed) |
 | `FANSTORE_MPI_DOORBELL` | 1 | a UDP doorbell rung with each frame sent wakes the peer (0: poll only) |
+| `FANSTORE_MPI_BELL_IDLE` | 0.05 | longest idle sleep (s) of the MPI threads with doorbells (else 0.005) |
 | `FANSTORE_MPI_INLINE` | 1 | serve blob requests on the MPI thread (0: as trio tasks, the old path) |
 | `FANSTORE_CACHE_SIZE` | 50% | disk cache of remote blobs (`--cache-size`): `10G`, `50%` of free, `0` off |
 | `FANSTORE_CACHE_C` | 1 | the C shim's READ path reads blobs of the disk cache itself (0: through Python) |
@@ -50,6 +51,7 @@ _ENV = {
     "mpi_inline": "FANSTORE_MPI_INLINE",
     "mpi_backoff": "FANSTORE_MPI_BACKOFF",
     "mpi_doorbell": "FANSTORE_MPI_DOORBELL",
+    "mpi_bell_idle": "FANSTORE_MPI_BELL_IDLE",
     "cache_size": "FANSTORE_CACHE_SIZE",
     "cache_c": "FANSTORE_CACHE_C",
 }
@@ -101,6 +103,7 @@ class Settings:
     mpi_inline: int = 1
     mpi_backoff: float = 2.0
     mpi_doorbell: int = 1
+    mpi_bell_idle: float = 0.05
     cache_size: str = "50%"
     cache_c: int = 1
 

@@ -13,6 +13,7 @@
 struct fsr_state fsr_state = {.lock = PTHREAD_MUTEX_INITIALIZER, .job_cond = PTHREAD_COND_INITIALIZER,
                               .wake_fd = -1, .done_fd = -1, .bell_fd = -1};
 struct fsr_stats fsr_stats;
+int fsr_direct = 1;
 
 /* ------------------------------------------------------------------ serving */
 
@@ -226,7 +227,9 @@ void *fsr_worker(void *unused) {
             int again;
             char *reply = fsr_serve(&j->h, 0, &n, &again);
             COUNT(served_io);
-            if (reply != NULL)
+            if (reply != NULL && fsr_direct)
+                fsr_send(j->source, FSR_TAG_REPLY, reply, n, 2e-3); /* no hop to the remote thread */
+            else if (reply != NULL)
                 fsr_queue_out(j->source, FSR_TAG_REPLY, reply, n);
         }
         free(j);
@@ -246,20 +249,37 @@ int fsr_add_call(const struct call *proto, double timeout) {
         proto->owner == fsr_state.rank || proto->blob >= fanstore_blobs.n)
         return -EAGAIN;
     struct call *c = malloc(sizeof(*c));
-    if (c == NULL)
+    struct fsr_header *h = fsr_direct ? malloc(sizeof(*h)) : NULL;
+    if (c == NULL || (fsr_direct && h == NULL)) {
+        free(c);
         return -EAGAIN;
+    }
     *c = *proto;
-    c->posted = 0;
+    c->posted = fsr_direct;
     pthread_mutex_lock(&fsr_state.lock);
+    uint64_t id = ++fsr_state.next_id;
     c->next = fsr_state.inflight;
-    c->id = ++fsr_state.next_id;
+    c->id = id;
     c->deadline = fsr_now() + timeout;
     fsr_state.inflight = c;
     unsigned long long open = __atomic_add_fetch(&fsr_stats.open_calls, 1, __ATOMIC_RELAXED);
     if (open > fsr_stats.peak_calls)
         fsr_stats.peak_calls = open;
     pthread_mutex_unlock(&fsr_state.lock);
-    fsr_poke(fsr_state.wake_fd);
+    if (!fsr_direct) {
+        fsr_poke(fsr_state.wake_fd); /* the remote thread sends the request */
+        return 0;
+    }
+    /* sent from this thread (MPI_THREAD_MULTIPLE): no wake-up of the remote thread, which
+     * may already have the reply (and freed c) when fsr_send returns */
+    int owner = proto->owner;
+    *h = (struct fsr_header){FSR_MAGIC, FSR_VERSION, (uint8_t)proto->op, 0, id, proto->blob, proto->lo, proto->hi};
+    if (fsr_send(owner, FSR_TAG_REQUEST, (char *)h, sizeof(*h), 0) != 0) {
+        COUNT(peer_errors);
+        fsr_suspect(owner);
+        if ((c = fsr_unlink_call(id)) != NULL)
+            fsr_finish(c, -EIO);
+    }
     return 0;
 }
 
@@ -347,6 +367,10 @@ PyObject *fanstore_py_remote_start(PyObject *self, PyObject *args) {
     fsr_state.rank = rank;
     fsr_state.size = size;
     fsr_state.stopping = fsr_state.ready = fsr_state.gathered = 0;
+    const char *direct = getenv("FANSTORE_CREMOTE_DIRECT"); /* 0: every send by the remote thread */
+    fsr_direct = direct == NULL || strcmp(direct, "0") != 0;
+    const char *idle = getenv("FANSTORE_MPI_BELL_IDLE"); /* as the Python MPI thread's */
+    fsr_idle = idle != NULL && atof(idle) > 0 ? atof(idle) : 0.05;
     memset(&fsr_stats, 0, sizeof(fsr_stats));
     if (fsr_state.suspect_until == NULL)
         fsr_state.suspect_until = calloc((size_t)size, sizeof(int64_t)); /* NULL: nobody suspect */
@@ -472,7 +496,7 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
     return Py_BuildValue(
-        "{sisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "bells",
+        "{sisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "bells",
         fsr_state.gathered == 1, "polls", fsr_stats.polls, "bell_wakes", fsr_stats.bell_wakes, "served", fsr_stats.served,
         "served_io", fsr_stats.served_io, "served_bytes", fsr_stats.served_bytes, "bad_requests", fsr_stats.bad_requests,
         "error_replies", fsr_stats.error_replies, "fetched", fsr_stats.fetched, "fetched_bytes", fsr_stats.fetched_bytes,
@@ -481,5 +505,5 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
         "peak_in_flight", fsr_stats.peak_calls, "c_reads", fsr_stats.c_reads, "c_read_bytes",
         fsr_stats.c_read_bytes, "c_read_fallbacks", fsr_stats.c_read_fallbacks, "cache_offers",
         fsr_stats.cache_offers, "c_range_reads", fsr_stats.c_range_reads, "c_chunk_hits",
-        fsr_stats.c_chunk_hits, "c_fetch_ahead", fsr_stats.c_fetch_ahead);
+        fsr_stats.c_chunk_hits, "c_fetch_ahead", fsr_stats.c_fetch_ahead, "send_waits", fsr_stats.send_waits);
 }

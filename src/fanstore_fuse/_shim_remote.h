@@ -19,13 +19,20 @@
  * EIO. The requester verifies (the manifest's xxh3, every frame's): bytes that fail it never
  * reach a reader, and the request goes back to Python (replicas, then DEST, then EIO).
  *
+ * Sending: a request is sent by the thread that makes the call (the FUSE thread of a READ;
+ * MPI_THREAD_MULTIPLE), a reply read from the page cache by the remote thread, a reply read
+ * from the disk by the worker that read it; each rings the peer's bell after its Isend. A
+ * rendezvous send (the receiver waits for the sender's progress) is tested after 20 us, then
+ * at doubling intervals up to 1 ms: by the worker for up to 2 ms, then by the remote thread.
+ * FANSTORE_CREMOTE_DIRECT=0: every send by the remote thread, handed over through an eventfd.
+ *
  * Waiting: the thread sleeps in ppoll on a UDP socket (a doorbell: a sender rings it after
  * each Isend, addresses exchanged with an Iallgather on the new communicator, as
- * _doorbell.py) and an eventfd (local submissions, finished disk reads). It polls instead,
- * 20 us growing to 1 ms, while a rendezvous send must progress or a bell announced a message
- * not yet matched; with calls in flight it wakes at least every millisecond, idle every 5 ms:
- * a lost bell costs one wait, never a hang. A call unanswered after its timeout completes with
- * ETIMEDOUT.
+ * _doorbell.py) and an eventfd (local submissions). It polls instead, 20 us growing to 1 ms,
+ * while a rendezvous send must progress or a bell announced a message not yet matched;
+ * otherwise it sleeps up to FANSTORE_MPI_BELL_IDLE (50 ms), a tenth of it with calls in
+ * flight: a lost bell costs one wait, never a hang (deadlines are enforced by the workers
+ * too). A call unanswered after its timeout completes with ETIMEDOUT.
  */
 #ifndef FANSTORE_SHIM_REMOTE_H
 #define FANSTORE_SHIM_REMOTE_H

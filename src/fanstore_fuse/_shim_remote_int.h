@@ -52,9 +52,10 @@ struct call { /* one request of this rank, in flight */
                         a malloc'd buffer: a Python bytes object made by remote_fetch */
 };
 
-struct out { /* a message for the remote thread to send (a worker's reply) */
+struct out { /* a message for the remote thread to send, or one sent already (`posted`: its
+                request `req` for the remote thread to complete) */
     struct out *next;
-    int dest, tag;
+    int dest, tag, req, posted;
     char *buf;
     size_t n;
 };
@@ -103,7 +104,7 @@ struct fsr_stats {
     unsigned long long polls, bell_wakes, served, served_io, served_bytes, bad_requests,
         error_replies, fetched, fetched_bytes, corrupt, timeouts, peer_errors, send_errors,
         verified_by_worker, open_calls, peak_calls, c_reads, c_read_bytes, c_read_fallbacks,
-        cache_offers, c_range_reads, c_chunk_hits, c_fetch_ahead;
+        cache_offers, c_range_reads, c_chunk_hits, c_fetch_ahead, send_waits;
 };
 extern struct fsr_stats fsr_stats;
 
@@ -144,6 +145,13 @@ void fsr_verify_frames(struct call *c, char *buf, size_t n);
 /* _shim_remote_mpi.c: MPI and the remote thread */
 const char *fsr_find_mpi(const char *path);
 void fsr_queue_out(int dest, int tag, char *buf, size_t n);
+/* Send from any thread (`buf` taken over): 0, or -1 if MPI refused (buf freed). A send not
+ * complete at once is tested by this thread for up to `linger` seconds (sleeping between tests,
+ * the first after the usual completion time), then handed to the remote thread. */
+int fsr_send(int dest, int tag, char *buf, size_t n, double linger);
+extern int fsr_direct; /* requests and workers' replies sent by their own thread (else: queued) */
+extern double fsr_idle; /* longest sleep with bells (FANSTORE_MPI_BELL_IDLE); a tenth of it with
+                          calls in flight */
 void *fsr_thread(void *unused);
 void fsr_suspect(int rank); /* skipped by READs in C for SUSPECT_SECONDS */
 void fsr_reap(double t, int all); /* finish calls past their deadline (all: every call) */

@@ -10,6 +10,7 @@
 #include "_shim_remote_int.h"
 
 struct fsr_mpi fsr_mpi;
+double fsr_idle = 0.05;
 
 const char *fsr_find_mpi(const char *path) {
     void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
@@ -32,7 +33,20 @@ static void fsr_ring(int dest) {
                      sizeof(fsr_state.peers[dest]));
 }
 
-/* Send `buf` (malloc'd, taken over) to `dest`: 0, or -1 if MPI refused (buf freed). */
+static void fsr_track(int req, char *buf) {
+    if (fsr_state.nsends == fsr_state.capsends) {
+        size_t cap = fsr_state.capsends ? 2 * fsr_state.capsends : 16;
+        struct sending *s = realloc(fsr_state.sends, cap * sizeof(*s));
+        if (s == NULL)
+            abort(); /* the send is posted; its buffer must outlive it */
+        fsr_state.sends = s;
+        fsr_state.capsends = cap;
+    }
+    fsr_state.sends[fsr_state.nsends++] = (struct sending){req, buf};
+}
+
+/* Send `buf` (malloc'd, taken over) to `dest` from the remote thread: 0, or -1 if MPI refused
+ * (buf freed). */
 static int fsr_post(int dest, int tag, char *buf, size_t n) {
     int req, flag = 0;
     if (fsr_mpi.Isend(buf, (int)n, fsr_state.byte, dest, tag, fsr_state.comm, &req) != 0) {
@@ -45,15 +59,42 @@ static int fsr_post(int dest, int tag, char *buf, size_t n) {
         free(buf); /* eager: complete at once */
         return 0;
     }
-    if (fsr_state.nsends == fsr_state.capsends) {
-        size_t cap = fsr_state.capsends ? 2 * fsr_state.capsends : 16;
-        struct sending *s = realloc(fsr_state.sends, cap * sizeof(*s));
-        if (s == NULL)
-            abort(); /* the send is posted; its buffer must outlive it */
-        fsr_state.sends = s;
-        fsr_state.capsends = cap;
+    fsr_track(req, buf);
+    return 0;
+}
+
+int fsr_send(int dest, int tag, char *buf, size_t n, double linger) {
+    int req, flag = 0;
+    if (fsr_mpi.Isend(buf, (int)n, fsr_state.byte, dest, tag, fsr_state.comm, &req) != 0) {
+        COUNT(send_errors);
+        free(buf);
+        return -1;
     }
-    fsr_state.sends[fsr_state.nsends++] = (struct sending){req, buf};
+    fsr_ring(dest);
+    /* a rendezvous send needs the sender's progress to finish (the receiver waits for it):
+     * tested after 20 us, then at doubling intervals (a later first test, or longer ones,
+     * measured costlier in CPU on both sides: docs/performance.md) */
+    for (double wait = 20e-6, waited = 0;; wait = wait * 2 < 1e-3 ? wait * 2 : 1e-3) {
+        if (fsr_mpi.Test(&req, &flag, MPI_STATUS_IGNORE_) != 0 || flag) {
+            free(buf);
+            return 0;
+        }
+        if (waited >= linger)
+            break;
+        COUNT(send_waits);
+        struct timespec ts = {0, (long)(wait * 1e9)};
+        nanosleep(&ts, NULL);
+        waited += wait;
+    }
+    struct out *o = malloc(sizeof(*o)); /* the remote thread completes it */
+    if (o == NULL)
+        abort(); /* the send is posted; its buffer must outlive it */
+    *o = (struct out){NULL, dest, tag, req, 1, buf, n};
+    pthread_mutex_lock(&fsr_state.lock);
+    o->next = fsr_state.outq;
+    fsr_state.outq = o;
+    pthread_mutex_unlock(&fsr_state.lock);
+    fsr_poke(fsr_state.wake_fd);
     return 0;
 }
 
@@ -67,6 +108,7 @@ static int fsr_progress_sends(void) {
             moved = 1;
         } else {
             i++;
+            COUNT(send_waits);
         }
     }
     return moved;
@@ -78,7 +120,7 @@ void fsr_queue_out(int dest, int tag, char *buf, size_t n) {
         free(buf);
         return; /* the requester times out and reads another way */
     }
-    *o = (struct out){NULL, dest, tag, buf, n};
+    *o = (struct out){NULL, dest, tag, 0, 0, buf, n};
     pthread_mutex_lock(&fsr_state.lock);
     struct out **p = &fsr_state.outq;
     while (*p)
@@ -155,7 +197,10 @@ static int fsr_start_calls(void) {
     int moved = n > 0 || o != NULL;
     while (o != NULL) {
         struct out *next = o->next;
-        fsr_post(o->dest, o->tag, o->buf, o->n);
+        if (o->posted)
+            fsr_track(o->req, o->buf);
+        else
+            fsr_post(o->dest, o->tag, o->buf, o->n);
         free(o);
         o = next;
     }
@@ -267,7 +312,9 @@ void *fsr_thread(void *unused) {
             chase = chase && due < 1e-3;
             timeout = due;
         } else {
-            timeout = fsr_state.inflight ? 1e-3 : 5e-3;
+            /* bells announce every message: these waits only bound what a lost bell costs
+             * (deadlines are also enforced by the workers); every wake-up is CPU */
+            timeout = fsr_state.inflight ? fsr_idle / 10 : fsr_idle;
         }
         struct pollfd fds[2] = {{fsr_state.bell_fd, POLLIN, 0}, {fsr_state.wake_fd, POLLIN, 0}};
         struct timespec ts = {(time_t)timeout, (long)((timeout - (double)(time_t)timeout) * 1e9)};

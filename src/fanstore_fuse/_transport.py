@@ -4,8 +4,10 @@ The MPI thread posts `Isend`s from an outgoing queue (an eager send is complete 
 not tracked), matches incoming messages with `improbe` + `Message.Recv`, completes rendezvous
 sends with `Testsome`, and polls with intervals that grow (x `FANSTORE_MPI_BACKOFF`) from
 ~20 us to ~1 ms while nothing arrives, 5 ms after a second idle, so an idle daemon does not
-spin a core; MPI offers nothing to block on. A frame posted by trio sets an event that ends
-the wait at once.
+spin a core; MPI offers nothing to block on. With doorbells (`_doorbell`: every frame is
+announced) an idle thread sleeps up to `FANSTORE_MPI_BELL_IDLE` (50 ms): each idle wake-up of
+this Python loop cost a remote read ~20 us of CPU per daemon at 5 ms (docs/performance.md).
+A frame posted by trio sets an event that ends the wait at once.
 
 Blob requests are answered on the MPI thread itself when the page cache holds the blob, or by
 one of its disk threads (`HandlerTable.register_inline`): no hop to trio and back. Every other
@@ -251,6 +253,7 @@ class MpiTransport:
         send_poll, reply_poll = self.settings.mpi_send_poll, self.settings.mpi_reply_poll
         pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="fanstore-mpi-io")
         growth = self.settings.mpi_backoff
+        bell_idle = self.settings.mpi_bell_idle
         idle, due, delay = 0, 0.0, 0.0
         bell = self._bell
         if bell is not None:
@@ -323,7 +326,7 @@ class MpiTransport:
                     chase = chase and due < max_sleep
                     timeout = due
                 else:
-                    timeout = max_sleep if self._pending else LONG_IDLE_SLEEP
+                    timeout = max_sleep if self._pending else bell_idle
                 idle += 1
                 bell.sleeping = True
                 if not outq and bell.wait(timeout):
