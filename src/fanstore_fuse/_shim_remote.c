@@ -83,7 +83,9 @@ void fsr_push_job(struct job *j) {
 
 void fsr_complete(struct call *c, int status, char *raw, size_t n) {
     __atomic_sub_fetch(&fsr_stats.open_calls, 1, __ATOMIC_RELAXED);
-    if (c->view != NULL)
+    if (c->kept != NULL)
+        c->kept(c->ctx, status, raw, n, status == 0 ? c->mem : NULL);
+    else if (c->view != NULL)
         c->view(c->ctx, status, raw, n);
     else
         c->done(c->ctx, status, raw, n);
@@ -177,7 +179,7 @@ void fsr_answered(char *buf, size_t n) {
         return;
     }
     ADD(fetched_bytes, n - sizeof(*h));
-    if (n - sizeof(*h) <= DECODE_INLINE || c->op == FSR_OP_FRAMES) {
+    if (n - sizeof(*h) <= (c->op == FSR_OP_FRAMES ? RANGE_INLINE : DECODE_INLINE)) {
         fsr_verify(c, buf, n);
         return;
     }
@@ -496,7 +498,7 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
     return Py_BuildValue(
-        "{sisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "bells",
+        "{sisisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "reading", fanstore_remote_reading(), "bells",
         fsr_state.gathered == 1, "polls", fsr_stats.polls, "bell_wakes", fsr_stats.bell_wakes, "served", fsr_stats.served,
         "served_io", fsr_stats.served_io, "served_bytes", fsr_stats.served_bytes, "bad_requests", fsr_stats.bad_requests,
         "error_replies", fsr_stats.error_replies, "fetched", fsr_stats.fetched, "fetched_bytes", fsr_stats.fetched_bytes,

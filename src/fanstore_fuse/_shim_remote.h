@@ -77,6 +77,13 @@ typedef void (*fanstore_remote_view)(void *ctx, int status, const char *bytes, s
 int fanstore_remote_fetch_range(int owner, uint64_t blob, uint64_t lo, uint64_t hi, double timeout,
                                 fanstore_remote_view view, void *ctx);
 
+/* As fanstore_remote_fetch_range, but the bytes are kept: they lie inside `mem`, the callee's
+ * to free() (NULL when status is not 0). Raw frames are checked where they were received:
+ * no copy. */
+typedef void (*fanstore_remote_kept)(void *ctx, int status, const char *bytes, size_t n, void *mem);
+int fanstore_remote_fetch_kept(int owner, uint64_t blob, uint64_t lo, uint64_t hi, double timeout,
+                               fanstore_remote_kept kept, void *ctx);
+
 /* Whether `rank` timed out or refused a send in the last SUSPECT_SECONDS (READs in C then
  * leave its blobs to Python, which tries the other copies first). */
 int fanstore_remote_suspect(int rank);
@@ -90,6 +97,8 @@ int fanstore_remote_ready(void);
  * patched into the FUSE table after _shim_read.c's, whose handler gets every READ not taken. */
 struct fuse_lowlevel_ops;
 void fanstore_patch_remote(struct fuse_lowlevel_ops *ops);
+/* Whether READs in C are on: remote_read_start ran and the owners are published. */
+int fanstore_remote_reading(void);
 /* Whether it takes this READ (its fuse_read_in `body`), for _shim_open.c's request loop. */
 int fanstore_remote_answered(uint64_t ino, const void *body, size_t left);
 

@@ -43,7 +43,9 @@ struct call { /* one request of this rank, in flight */
     int owner;
     double deadline;
     fanstore_remote_done done; /* FSR_OP_FETCH: the whole blob, or */
-    fanstore_remote_view view; /* FSR_OP_FRAMES: raw bytes [lo, hi) */
+    fanstore_remote_view view; /* FSR_OP_FRAMES: raw bytes [lo, hi), or */
+    fanstore_remote_kept kept; /* the same, kept: in `mem` */
+    void *mem;
     void *ctx;
     int posted; /* its request was handed to MPI (under the lock) */
     int op;
@@ -76,6 +78,7 @@ struct sending {
 
 #define WORKERS 2
 #define DECODE_INLINE (256u << 10) /* replies this small are verified on the remote thread */
+#define RANGE_INLINE (1088u << 10) /* FSR_OP_FRAMES replies: up to a 1 MiB READ's and a table */
 #define BELL_RECORD 72             /* 64 bytes of host name, IPv4 address, port, 2 spare */
 
 struct fsr_state {

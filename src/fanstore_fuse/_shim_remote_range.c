@@ -76,6 +76,12 @@ void fsr_verify_frames(struct call *c, char *buf, size_t n) {
             raw = (out != NULL ? out : body + tlen) + (c->lo - (uint64_t)k0 * t->frame_size);
         fanstore_table_put(t);
     }
+    if (rc == FANSTORE_BLOB_OK && c->kept != NULL) { /* the bytes go with the call */
+        c->mem = out != NULL ? out : buf;
+        if (out != NULL)
+            free(buf);
+        out = buf = NULL;
+    }
     if (rc == FANSTORE_BLOB_OK) {
         COUNT(fetched);
         fsr_complete(c, 0, (char *)raw, (size_t)(c->hi - c->lo)); /* a view: freed below */
@@ -87,12 +93,23 @@ void fsr_verify_frames(struct call *c, char *buf, size_t n) {
     free(buf);
 }
 
+static int frames_call(struct call *proto, double timeout) {
+    uint64_t b = proto->blob;
+    if (b >= fanstore_blobs.n || fanstore_blobs.codec[b] != FANSTORE_CODEC_FRAMED || proto->lo >= proto->hi ||
+        proto->hi > fanstore_blobs.raw[b])
+        return -EINVAL;
+    proto->op = FSR_OP_FRAMES;
+    return fsr_add_call(proto, timeout);
+}
+
 int fanstore_remote_fetch_range(int owner, uint64_t blob, uint64_t lo, uint64_t hi, double timeout,
                                 fanstore_remote_view view, void *ctx) {
-    if (blob >= fanstore_blobs.n || fanstore_blobs.codec[blob] != FANSTORE_CODEC_FRAMED || lo >= hi ||
-        hi > fanstore_blobs.raw[blob])
-        return -EINVAL;
-    struct call proto = {.blob = blob, .owner = owner, .op = FSR_OP_FRAMES, .lo = lo, .hi = hi,
-                         .view = view, .ctx = ctx};
-    return fsr_add_call(&proto, timeout);
+    struct call proto = {.blob = blob, .owner = owner, .lo = lo, .hi = hi, .view = view, .ctx = ctx};
+    return frames_call(&proto, timeout);
+}
+
+int fanstore_remote_fetch_kept(int owner, uint64_t blob, uint64_t lo, uint64_t hi, double timeout,
+                               fanstore_remote_kept kept, void *ctx) {
+    struct call proto = {.blob = blob, .owner = owner, .lo = lo, .hi = hi, .kept = kept, .ctx = ctx};
+    return frames_call(&proto, timeout);
 }

@@ -67,7 +67,8 @@ enum { EMPTY, PENDING, READY };
 struct slot {
     uint64_t blob;
     int state, refs;       /* refs: READs being answered from raw (READY) */
-    char *raw;             /* READY: the verified raw bytes, n of them */
+    const char *raw;       /* READY: the verified raw bytes, n of them, inside mem */
+    void *mem;
     size_t n;
     struct rread *waiting; /* PENDING: READs to answer when it arrives */
     uint64_t used;
@@ -120,6 +121,10 @@ static int take(uint64_t ino, uint64_t fh, uint64_t off, uint64_t size, struct r
     *r = (struct rread){.ino = ino, .off = off, .blob = b, .lo = off - base, .hi = end - base,
                         .size = (uint32_t)size, .owner = own[b], .mode = mode};
     return 1;
+}
+
+int fanstore_remote_reading(void) {
+    return reading && __atomic_load_n(&owner, __ATOMIC_ACQUIRE) != NULL;
 }
 
 int fanstore_remote_answered(uint64_t ino, const void *body, size_t left) {
@@ -204,14 +209,14 @@ static void answer(struct rread *r, const char *raw, size_t n) { /* CHUNK: from 
     free(r);
 }
 
-static void chunk_done(void *ctx, int status, char *raw, size_t n) {
+static void chunk_done(void *ctx, int status, const char *raw, size_t n, void *mem) {
     struct slot *s = &slots[(uintptr_t)ctx];
     pthread_mutex_lock(&slot_lock);
     struct rread *w = s->waiting;
     uint64_t blob = s->blob;
     s->waiting = NULL;
     if (status == 0) {
-        *s = (struct slot){blob, READY, 1, raw, n, NULL, ++ticks};
+        *s = (struct slot){blob, READY, 1, raw, mem, n, NULL, ++ticks};
     } else {
         s->state = EMPTY;
     }
@@ -239,6 +244,10 @@ static void chunk_done(void *ctx, int status, char *raw, size_t n) {
     }
 }
 
+static void chunk_whole_done(void *ctx, int status, char *raw, size_t n) { /* not framed */
+    chunk_done(ctx, status, raw, n, raw);
+}
+
 /* Start fetching `blob` into a free slot (or the least used one nobody reads), with `r`
  * (NULL: a fetch ahead) waiting on it. 0, or -1 when no slot is free or the call failed
  * (`r` is then the caller's again). Under slot_lock, which it releases. */
@@ -252,13 +261,16 @@ static int chunk_fetch(uint64_t blob, int owner, struct rread *r) {
         pthread_mutex_unlock(&slot_lock);
         return -1;
     }
-    char *old = slots[v].state == READY ? slots[v].raw : NULL;
-    slots[v] = (struct slot){blob, PENDING, 0, NULL, 0, r, ++ticks};
+    void *old = slots[v].state == READY ? slots[v].mem : NULL;
+    slots[v] = (struct slot){blob, PENDING, 0, NULL, NULL, 0, r, ++ticks};
     if (r != NULL)
         r->next = NULL;
     pthread_mutex_unlock(&slot_lock);
     free(old);
-    if (fanstore_remote_fetch(owner, blob, timeout, chunk_done, (void *)(uintptr_t)v) == 0)
+    void *ctx = (void *)(uintptr_t)v;
+    if ((fanstore_blobs.codec[blob] == FANSTORE_CODEC_FRAMED
+             ? fanstore_remote_fetch_kept(owner, blob, 0, fanstore_blobs.raw[blob], timeout, chunk_done, ctx)
+             : fanstore_remote_fetch(owner, blob, timeout, chunk_whole_done, ctx)) == 0)
         return 0;
     pthread_mutex_lock(&slot_lock); /* nobody else joined: the READ came with the slot */
     struct rread *w = slots[v].waiting;
