@@ -20,7 +20,8 @@ through the same thread, without Python (conditions in that file), once `start_r
 (`_ring_np.primary_owners`, computed in a thread after mount: no cost to the mount's start).
 A READ that fails in C goes to `_ReadFallback` (log, mark a silent peer, then the read through
 `Operations.read`); blobs it fetched are put in the disk cache by `CRemote.run`.
-`FANSTORE_CREMOTE_READ=0` leaves the READs to Python (fetches still in C).
+`FANSTORE_CREMOTE_READ=0` leaves the READs to Python (fetches still in C);
+`FANSTORE_CREMOTE_CHUNKS=0` turns off the C chunk cache of sequential READs of large blobs.
 """
 
 from __future__ import annotations
