@@ -32,6 +32,7 @@
 
 #include "_shim_dataset.h"
 #include "_shim_ops.h"
+#include "_shim_readdir.h"
 #include "_shim_remote.h"
 
 /* MountView.WRITE_FLAGS: an open with any of these goes to Python (EROFS there) */
@@ -97,7 +98,7 @@ static void getattr_in_c(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *
  * microseconds of Python per request even when the shim answers it. This fuse_session_receive_buf
  * (interposed like _noflush.c's fuse_reply_open) answers the requests the handlers above answer
  * in C right away, then waits for the next one (GIL released, up to `linger_us`) and goes on:
- * a reader's OPEN, RELEASE, GETATTR, OPEN... never return to trio. The first request C does not
+ * a reader's LOOKUP, OPEN, READ, RELEASE, GETATTR, LOOKUP... never return to trio. The first request C does not
  * answer is returned to pyfuse3 as usual; nothing arriving in time, LINGER_BATCH requests
  * answered in a row, or 1 ms spent here, returns -EINTR, on which pyfuse3 waits again (other
  * trio tasks run first). */
@@ -107,7 +108,7 @@ struct in_header { /* struct fuse_in_header of <linux/fuse.h>: the kernel's ABI 
     uint32_t uid, gid, pid;
     uint16_t total_extlen, padding;
 };
-enum { OP_GETATTR = 3, OP_OPEN = 14, OP_READ = 15, OP_RELEASE = 18, LINGER_BATCH = 64 };
+enum { OP_LOOKUP = 1, OP_GETATTR = 3, OP_OPEN = 14, OP_READ = 15, OP_RELEASE = 18, LINGER_BATCH = 64 };
 #define LINGER_TOTAL_NS 1000000 /* and never longer than 1 ms in all before trio runs again */
 
 typedef int (*receive_t)(struct fuse_session *, struct fuse_buf *);
@@ -143,6 +144,8 @@ static int answered_here(const struct fuse_buf *buf, int len) {
     uint32_t u32;
     uint64_t u64;
     switch (h->opcode) {
+    case OP_LOOKUP:
+        return fanstore_lookup_answered(h->nodeid, body, left); /* _shim_readdir.c */
     case OP_GETATTR:
         return getattr_here(h->nodeid);
     case OP_OPEN:
