@@ -462,7 +462,7 @@ PyObject *fanstore_py_remote_take(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
     if (fsr_state.done_fd >= 0)
-        fsr_drain(fsr_state.done_fd);
+        fsr_take_pokes(fsr_state.done_fd);
     pthread_mutex_lock(&fsr_state.lock);
     struct finished *f = finished_list;
     finished_list = NULL;
