@@ -63,6 +63,11 @@ static int fsr_post(int dest, int tag, char *buf, size_t n) {
     return 0;
 }
 
+int fsr_mpi_fresh(void) {
+    int64_t since = __atomic_load_n(&fsr_state.mpi_since, __ATOMIC_RELAXED);
+    return since == 0 || (int64_t)(fsr_now() * 1e9) - since < STUCK_NS;
+}
+
 int fsr_send(int dest, int tag, char *buf, size_t n, double linger) {
     int req, flag = 0;
     if (fsr_mpi.Isend(buf, (int)n, fsr_state.byte, dest, tag, fsr_state.comm, &req) != 0) {
@@ -310,10 +315,12 @@ void *fsr_thread(void *unused) {
                     __atomic_store_n(&fsr_state.gathered, 1, __ATOMIC_RELEASE);
                 }
             }
+            __atomic_store_n(&fsr_state.mpi_since, (int64_t)(fsr_now() * 1e9), __ATOMIC_RELAXED);
             moved |= fsr_start_calls();
             moved |= fsr_receive();
             if (fsr_state.nsends)
                 moved |= fsr_progress_sends();
+            __atomic_store_n(&fsr_state.mpi_since, 0, __ATOMIC_RELAXED);
             if (fsr_state.inflight)
                 fsr_reap(fsr_now(), 0);
         }
