@@ -159,18 +159,23 @@ def _odd_reads(path: str, data: bytes) -> int:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode", ["range", "damaged", "disk_cache"])
-def test_range_reads_of_large_remote_blobs_in_c(tmp_path, mount_factory, mode):
-    """READs inside a 4 MiB chunk held by the other rank travel as the frames that cover them
-    (FSR_OP_FRAMES), answered in C; with rank 1's copy damaged, the C client refuses the bytes
-    and the Python fallback (then DEST) gives the right ones; with a disk cache, Python fetches
-    whole chunks through the C thread (decoded into the bytes it gets) and caches them."""
+@pytest.mark.parametrize("mode", ["range", "chunks", "damaged", "disk_cache", "chunks_cached"])
+def test_large_remote_reads_in_c(tmp_path, mount_factory, mode):
+    """READs inside a 4 MiB chunk held by the other rank, answered in C: random ones as the
+    frames that cover them (FSR_OP_FRAMES), sequential ones from whole chunks fetched once
+    (and ahead) into the chunk cache (`range`: that cache off). With rank 1's copy damaged, the
+    C client refuses the bytes and the Python fallback (then DEST) gives the right ones. With a
+    disk cache, sequential READs still go through the chunk cache (each chunk offered to the
+    disk cache), random ones to Python, which fetches the chunk through the C thread (decoded
+    into the bytes it gets; `disk_cache`: the chunk cache off, every such READ goes there)."""
     damaged = mode == "damaged"
     src, data = _large_tree(tmp_path)
     dest = prep_cli(src, tmp_path / "dest", "--chunk-mib", "4", "-p", "3")
     codecs = set(bytes(read_manifest(dest / MANIFEST_NAME).blobs["codec"]))
     assert codecs == {3}, codecs  # every chunk framed
-    env = {} if mode == "disk_cache" else {"FANSTORE_CACHE_SIZE": "0"}
+    env = {} if mode in ("disk_cache", "chunks_cached") else {"FANSTORE_CACHE_SIZE": "0"}
+    if mode in ("range", "disk_cache"):
+        env["FANSTORE_CREMOTE_CHUNKS"] = "0"
     m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=2,
                       local=str(tmp_path / "local" / "{rank}"), env=env)
     if damaged:
@@ -178,17 +183,25 @@ def test_range_reads_of_large_remote_blobs_in_c(tmp_path, mount_factory, mode):
     mps = m.mountpoints[:1] if damaged else m.mountpoints
     for mp in mps:
         path = os.path.join(mp, "big.bin")
-        _odd_reads(path, data)
-        with open(path, "rb") as f:  # buffered: 128 KiB READs in order
+        if mode != "chunks_cached":  # (else: first, the disk cache would then hold every chunk)
+            _odd_reads(path, data)
+        with open(path, "rb") as f:  # buffered: READs in order
             assert f.read() == data
+        _odd_reads(path, data)
     rs = status_ranks(m.status())
     for r in rs[:len(mps)]:
         c = r["c_remote"]
-        if mode == "disk_cache":
-            assert c["c_range_reads"] == 0 and r["stats"]["c_remote_reads"] > 0, r
+        if mode in ("disk_cache", "chunks_cached"):
+            assert c["c_range_reads"] == 0, r
+            if mode == "disk_cache":
+                assert r["stats"]["c_remote_reads"] > 0 and c["c_chunk_hits"] == 0, r
+            else:
+                assert c["c_chunk_hits"] > 0 and c["cache_offers"] > 0, r
             assert c["corrupt"] == c["timeouts"] == r["stats"].get("c_remote_fallbacks", 0) == 0, r
             continue
         assert c["c_range_reads"] > 0, r
+        if mode != "damaged":  # (damaged: every whole chunk fails its check)
+            assert (c["c_chunk_hits"] > 0) == (mode == "chunks"), r
         if damaged:
             assert c["corrupt"] > 0 and c["c_read_fallbacks"] > 0, r
             assert r["stats"].get("source_reads", 0) > 0, r

@@ -11,10 +11,15 @@
  * - the blob is at most WHOLE_MAX raw bytes, or the READ covers all of it: the whole blob
  *   travels and is verified, then is offered to the disk cache when there is one (Python's
  *   CRemote.run puts it);
- * - or the blob is framed and larger, and there is no disk cache: only the frames that cover
- *   the READ travel, with the frame table (FSR_OP_FRAMES, _shim_remote_range.c), each checked
- *   here. With a disk cache such READs go to Python, whose blob cache serves the rest of a
- *   chunk from one fetch and puts the chunk in the disk cache.
+ * - or the blob is larger and the READ sequential (it starts where the last READ of the file
+ *   ended, or at the chunk's start) or its blob is in the chunk cache: the whole blob travels once into one of SLOTS
+ *   slots (READs arriving while it travels wait on it, later ones are answered from it on the
+ *   FUSE thread), the file's next chunk is fetched ahead, and the blob is offered to the disk
+ *   cache when there is one;
+ * - or the blob is framed and larger, the READ not sequential, and there is no disk cache:
+ *   only the frames that cover the READ travel, with the frame table (FSR_OP_FRAMES,
+ *   _shim_remote_range.c), each checked here. With a disk cache such READs go to Python,
+ *   whose blob cache serves the rest of a chunk from one fetch and puts it in the disk cache.
  * The call goes to the blob's primary owner; its reply (verified in C: nothing that failed a
  * check is ever sent) is answered with fuse_reply_buf. A time-out, an error reply or bad bytes hand
  * the READ to Python on a thread of its own (the fallback: _cremote's, which logs, marks a
@@ -31,6 +36,8 @@
 #include "_shim_remote_int.h"
 
 #define WHOLE_MAX (1u << 20)
+#define SLOTS 8      /* whole chunks kept for sequential READs (8 x 4 MiB chunks: 32 MiB) */
+#define SEQ_SLOTS 64 /* files whose last READ's end is remembered (hashed by inode) */
 
 typedef void (*read_op_t)(fuse_req_t, fuse_ino_t, size_t, off_t, struct fuse_file_info *);
 typedef int (*reply_buf_t)(fuse_req_t, const char *, size_t);
@@ -42,14 +49,50 @@ static Py_buffer owners_buf, cache_buf;
 static const uint16_t *owner;     /* primary owner per blob, once published */
 static const uint64_t *cache_loc; /* DiskCache's index, or NULL */
 static double timeout;
-static int reading;
+static int reading, chunks = 1; /* chunks: FANSTORE_CREMOTE_CHUNKS=0 turns the chunk cache off */
+
+enum { WHOLE, RANGE, CHUNK }; /* how a READ is answered (the header comment) */
 
 struct rread {
+    struct rread *next; /* CHUNK: the next READ waiting on the same slot */
     fuse_req_t req;
     uint64_t ino, off, blob, lo, hi;
     uint32_t size;
-    int owner, status, range; /* range: FSR_OP_FRAMES for [lo, hi) */
+    int owner, status, mode;
 };
+
+/* ------------------------------------------------------------------ the chunk cache */
+
+enum { EMPTY, PENDING, READY };
+struct slot {
+    uint64_t blob;
+    int state, refs;       /* refs: READs being answered from raw (READY) */
+    char *raw;             /* READY: the verified raw bytes, n of them */
+    size_t n;
+    struct rread *waiting; /* PENDING: READs to answer when it arrives */
+    uint64_t used;
+};
+static struct slot slots[SLOTS];
+static struct {
+    uint64_t ino, end;
+} seq[SEQ_SLOTS];
+static uint64_t ticks;
+static pthread_mutex_t slot_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int find_slot(uint64_t blob) { /* under slot_lock */
+    for (int i = 0; i < SLOTS; i++)
+        if (slots[i].state != EMPTY && slots[i].blob == blob)
+            return i;
+    return -1;
+}
+
+/* Whether a READ of `blob` at `off` of `ino` goes through the chunk cache. */
+static int chunk_wanted(uint64_t ino, uint64_t off, uint64_t blob) {
+    pthread_mutex_lock(&slot_lock);
+    int yes = find_slot(blob) >= 0 || (seq[ino % SEQ_SLOTS].ino == ino && seq[ino % SEQ_SLOTS].end == off);
+    pthread_mutex_unlock(&slot_lock);
+    return yes;
+}
 
 static int take(uint64_t ino, uint64_t fh, uint64_t off, uint64_t size, struct rread *r) {
     const uint16_t *own = __atomic_load_n(&owner, __ATOMIC_ACQUIRE);
@@ -63,14 +106,19 @@ static int take(uint64_t ino, uint64_t fh, uint64_t off, uint64_t size, struct r
     if ((end - 1) / chunk != k || k >= fanstore_ds.count[j])
         return 0;
     uint64_t b = fanstore_ds.first[j] + k, base = k * chunk, raw = fanstore_blobs.raw[b];
-    int range = raw > WHOLE_MAX && !(off == base && end - base == raw);
-    if (fanstore_blob_held(b) || (cache_loc != NULL && cache_loc[b] != 0) ||
-        (range && (cache_loc != NULL || fanstore_blobs.codec[b] != FANSTORE_CODEC_FRAMED)))
+    if (fanstore_blob_held(b) || (cache_loc != NULL && cache_loc[b] != 0) || fanstore_remote_suspect(own[b]))
         return 0;
-    if (fanstore_remote_suspect(own[b]))
-        return 0;
+    int mode = WHOLE;
+    if (raw > WHOLE_MAX && !(off == base && end - base == raw)) {
+        if (chunks && (off == base || chunk_wanted(ino, off, b)))
+            mode = CHUNK;
+        else if (cache_loc == NULL && fanstore_blobs.codec[b] == FANSTORE_CODEC_FRAMED)
+            mode = RANGE;
+        else
+            return 0;
+    }
     *r = (struct rread){.ino = ino, .off = off, .blob = b, .lo = off - base, .hi = end - base,
-                        .size = (uint32_t)size, .owner = own[b], .range = range};
+                        .size = (uint32_t)size, .owner = own[b], .mode = mode};
     return 1;
 }
 
@@ -126,7 +174,7 @@ static void range_done(void *ctx, int status, const char *bytes, size_t n) {
     fall_back(r, status);
 }
 
-static void read_done(void *ctx, int status, char *raw, size_t n) {
+static void read_done(void *ctx, int status, char *raw, size_t n) { /* WHOLE */
     struct rread *r = ctx;
     if (status == 0 && r->hi <= n) {
         reply_buf(r->req, raw + r->lo, r->hi - r->lo);
@@ -145,6 +193,132 @@ static void read_done(void *ctx, int status, char *raw, size_t n) {
     fall_back(r, status);
 }
 
+static void answer(struct rread *r, const char *raw, size_t n) { /* CHUNK: from a slot's bytes */
+    if (r->hi > n) {
+        fall_back(r, -EIO);
+        return;
+    }
+    reply_buf(r->req, raw + r->lo, r->hi - r->lo);
+    COUNT(c_reads);
+    ADD(c_read_bytes, r->hi - r->lo);
+    free(r);
+}
+
+static void chunk_done(void *ctx, int status, char *raw, size_t n) {
+    struct slot *s = &slots[(uintptr_t)ctx];
+    pthread_mutex_lock(&slot_lock);
+    struct rread *w = s->waiting;
+    uint64_t blob = s->blob;
+    s->waiting = NULL;
+    if (status == 0) {
+        *s = (struct slot){blob, READY, 1, raw, n, NULL, ++ticks};
+    } else {
+        s->state = EMPTY;
+    }
+    pthread_mutex_unlock(&slot_lock);
+    if (status == 0 && cache_loc != NULL) { /* a copy for the disk cache (Python writes it) */
+        char *copy = malloc(n ? n : 1);
+        if (copy != NULL) {
+            memcpy(copy, raw, n);
+            COUNT(cache_offers);
+            fsr_offer(blob, copy, n);
+        }
+    }
+    while (w != NULL) {
+        struct rread *next = w->next;
+        if (status == 0)
+            answer(w, raw, n);
+        else
+            fall_back(w, status);
+        w = next;
+    }
+    if (status == 0) {
+        pthread_mutex_lock(&slot_lock);
+        s->refs--;
+        pthread_mutex_unlock(&slot_lock);
+    }
+}
+
+/* Start fetching `blob` into a free slot (or the least used one nobody reads), with `r`
+ * (NULL: a fetch ahead) waiting on it. 0, or -1 when no slot is free or the call failed
+ * (`r` is then the caller's again). Under slot_lock, which it releases. */
+static int chunk_fetch(uint64_t blob, int owner, struct rread *r) {
+    int v = -1;
+    for (int i = 0; i < SLOTS; i++)
+        if (slots[i].state == EMPTY || (slots[i].state == READY && slots[i].refs == 0))
+            if (v < 0 || slots[i].state == EMPTY || (slots[v].state != EMPTY && slots[i].used < slots[v].used))
+                v = i;
+    if (v < 0) {
+        pthread_mutex_unlock(&slot_lock);
+        return -1;
+    }
+    char *old = slots[v].state == READY ? slots[v].raw : NULL;
+    slots[v] = (struct slot){blob, PENDING, 0, NULL, 0, r, ++ticks};
+    if (r != NULL)
+        r->next = NULL;
+    pthread_mutex_unlock(&slot_lock);
+    free(old);
+    if (fanstore_remote_fetch(owner, blob, timeout, chunk_done, (void *)(uintptr_t)v) == 0)
+        return 0;
+    pthread_mutex_lock(&slot_lock); /* nobody else joined: the READ came with the slot */
+    struct rread *w = slots[v].waiting;
+    slots[v].state = EMPTY;
+    slots[v].waiting = NULL;
+    pthread_mutex_unlock(&slot_lock);
+    while (w != NULL && w != r) { /* READs that joined meanwhile */
+        struct rread *next = w->next;
+        fall_back(w, -EAGAIN);
+        w = next;
+    }
+    return -1;
+}
+
+/* The next chunk of the file, when another rank holds it and it is in no slot: fetched ahead. */
+static void fetch_ahead(const struct rread *r) {
+    const uint16_t *own = __atomic_load_n(&owner, __ATOMIC_ACQUIRE);
+    uint64_t j = r->ino - 1, k = r->off / fanstore_blobs.chunk_size + 1;
+    if (k >= fanstore_ds.count[j])
+        return;
+    uint64_t b = fanstore_ds.first[j] + k;
+    if (fanstore_blob_held(b) || (cache_loc != NULL && cache_loc[b] != 0) || fanstore_remote_suspect(own[b]) ||
+        fanstore_blobs.raw[b] <= WHOLE_MAX)
+        return;
+    pthread_mutex_lock(&slot_lock);
+    if (find_slot(b) >= 0) {
+        pthread_mutex_unlock(&slot_lock);
+        return;
+    }
+    if (chunk_fetch(b, own[b], NULL) == 0)
+        COUNT(c_fetch_ahead);
+}
+
+/* CHUNK: answered from its slot, queued on it, or a new fetch; 0 when no slot was free. */
+static int chunk_read(struct rread *r) {
+    pthread_mutex_lock(&slot_lock);
+    seq[r->ino % SEQ_SLOTS].ino = r->ino;
+    seq[r->ino % SEQ_SLOTS].end = r->off + (r->hi - r->lo);
+    int i = find_slot(r->blob);
+    if (i >= 0 && slots[i].state == READY) {
+        struct slot *s = &slots[i];
+        s->refs++;
+        s->used = ++ticks;
+        pthread_mutex_unlock(&slot_lock);
+        COUNT(c_chunk_hits);
+        answer(r, s->raw, s->n);
+        pthread_mutex_lock(&slot_lock);
+        s->refs--;
+        pthread_mutex_unlock(&slot_lock);
+        return 1;
+    }
+    if (i >= 0) {
+        r->next = slots[i].waiting;
+        slots[i].waiting = r;
+        pthread_mutex_unlock(&slot_lock);
+        return 1;
+    }
+    return chunk_fetch(r->blob, r->owner, r) == 0;
+}
+
 static void remote_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi) {
     struct rread r;
     if (off < 0 || !take(ino, fi->fh, (uint64_t)off, size, &r)) {
@@ -155,9 +329,23 @@ static void remote_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, 
     if (p != NULL) {
         *p = r;
         p->req = req;
-        if ((p->range ? fanstore_remote_fetch_range(p->owner, p->blob, p->lo, p->hi, timeout, range_done, p)
-                      : fanstore_remote_fetch(p->owner, p->blob, timeout, read_done, p)) == 0)
+        if (p->mode == CHUNK) {
+            struct rread copy = *p;
+            if (chunk_read(p)) {
+                fetch_ahead(&copy);
+                return;
+            }
+        } else if ((p->mode == RANGE
+                        ? fanstore_remote_fetch_range(p->owner, p->blob, p->lo, p->hi, timeout, range_done, p)
+                        : fanstore_remote_fetch(p->owner, p->blob, timeout, read_done, p)) == 0) {
+            if (fanstore_blobs.raw[p->blob] > WHOLE_MAX) { /* RANGE: where this file's READ ended */
+                pthread_mutex_lock(&slot_lock);
+                seq[ino % SEQ_SLOTS].ino = ino;
+                seq[ino % SEQ_SLOTS].end = r.off + (r.hi - r.lo);
+                pthread_mutex_unlock(&slot_lock);
+            }
             return;
+        }
         free(p);
     }
     next_read(req, ino, size, off, fi);
@@ -193,6 +381,8 @@ PyObject *fanstore_py_remote_read_start(PyObject *self, PyObject *args) {
         }
         cache_loc = cache_buf.buf;
     }
+    const char *knob = getenv("FANSTORE_CREMOTE_CHUNKS");
+    chunks = knob == NULL || strcmp(knob, "0") != 0;
     Py_INCREF(fb);
     fallback = fb;
     timeout = t;
