@@ -88,6 +88,30 @@ def test_dataset_opens_releases_and_getattrs_are_answered_in_c(tmp_path, state_d
 
 
 @pytest.mark.timeout(120)
+def test_cold_lookups_of_dataset_names_stay_in_the_request_loop(tmp_path, state_dir):
+    """A fresh mount looks every name up: LOOKUP is answered in C (_shim_readdir.c) and, since
+    the sixth session, inside the request loop too, as is the IOCTL of Python's isatty(), so a
+    cold read of a file (LOOKUP, OPEN, IOCTL, READ, RELEASE) never goes back to trio."""
+    _need_shim()
+    src = tmp_path / "src"
+    files = _tree(src)
+    dest = prep_cli(src, tmp_path / "dest")
+    with mounted(dest, tmp_path / "mnt", state_dir, local=tmp_path / "local",
+                 extra_args=["--debug"]) as m:
+        for rel, body in files.items():
+            assert (m.path / rel).read_bytes() == body, rel
+        n = len(files)
+        c = _until(lambda: (lambda c: c if c["c_releases"] >= n else None)(_shim(m))) or _shim(m)
+        log = m.log_text()
+        assert len(re.findall(r"opcode: LOOKUP \(1\)", log)) >= n  # fresh mount
+        # read_bytes() opens buffered: Python asks isatty(), an IOCTL libfuse answers (ENOSYS)
+        ioctls = len(re.findall(r"opcode: IOCTL \(39\)", log))
+        assert ioctls >= n
+        others = c["c_opens"] + c["c_releases"] + c["c_getattrs"] + c["c_reads"]
+        assert c["c_lingered"] >= others + n + ioctls, c  # and at least one LOOKUP per file
+
+
+@pytest.mark.timeout(120)
 def test_write_intent_and_written_files_take_the_python_path(tmp_path, state_dir):
     """Every change to a dataset file fails (EROFS) and the file keeps its bytes; opens with
     write intent and opens of written files are answered by Python, not the shim."""

@@ -179,7 +179,8 @@ def _mount(cfg: MountConfig, m: _Mounted, view: MountView, settings: Settings) -
     if cfg.writable and settings.noflush:  # read-only mounts answer FLUSH with ENOSYS
         enable_noflush()
     fast_open = settings.fast_open and fastopen.enable(view.node.ns, ENTRY_TIMEOUT,
-                                                       settings.fuse_linger_us)
+                                                       settings.fuse_linger_us,
+                                                       settings.fuse_trio_total_us)
     if settings.fast_read and m.store is not None:  # READs held here in C (Operations.init starts)
         fastread.enable(view.node.ns, m.store, settings.fast_read_threads, settings.fast_read_inline)
     try:

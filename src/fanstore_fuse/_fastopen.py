@@ -27,17 +27,18 @@ from ._namespace import Namespace
 log = logging.getLogger("fanstore_fuse.fastopen")
 
 
-def enable(ns: Namespace, timeout: float, linger_us: int = 0) -> bool:
+def enable(ns: Namespace, timeout: float, linger_us: int = 0, trio_total_us: int = 5000) -> bool:
     """Answer OPEN/RELEASE/GETATTR of the dataset's files in C, and (`linger_us` > 0) wait
-    that long for the next request after each, without returning to trio; False when the shim
-    is absent or refuses (one log line)."""
+    that long for the next request after each, without returning to trio (while trio is idle,
+    at most `trio_total_us` in a row); False when the shim is absent or refuses (one log
+    line)."""
     shim = _fastclose._shim
     if shim is None:
         log.info("dataset opens go through Python (%s)", _fastclose._why)
         return False
     try:
         _fastclose.hold_dataset(ns.m)
-        shim.fast_open(linger_us, timeout)
+        shim.fast_open(linger_us, timeout, trio_total_us)
     except (ValueError, TypeError, BufferError, AttributeError) as err:
         log.warning("dataset opens go through Python: %s", err)
         return False

@@ -158,7 +158,7 @@ static PyMethodDef methods[] = {
     {"count", count, METH_NOARGS, "count(): opens answered with noflush so far"},
     {"mark_dir", mark_dir, METH_O, "mark_dir(fh): cache the listing of the next opendir reply"},
     {"dirs", dirs, METH_NOARGS, "dirs(): opendir replies sent with cache_readdir so far"},
-    {"fast_open", fanstore_fast_open, METH_VARARGS, "fast_open(linger_us, timeout): OPEN/RELEASE/GETATTR of the held dataset's files in C"},
+    {"fast_open", fanstore_fast_open, METH_VARARGS, "fast_open(linger_us, timeout, trio_total_us=5000): OPEN/RELEASE/GETATTR of the held dataset's files in C"},
     {"fast_counts", fanstore_fast_counts, METH_NOARGS, "fast_counts(): (opens, releases, getattrs, lingered, returns to trio) in C"},
     {"linger_trio", fanstore_linger_trio, METH_VARARGS, "linger_trio(epoll_fd, runq): linger while trio has nothing to do"},
     FANSTORE_READDIR_METHODS

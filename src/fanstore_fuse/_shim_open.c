@@ -32,6 +32,7 @@
 
 #include "_shim_dataset.h"
 #include "_shim_ops.h"
+#include "_shim_readdir.h"
 #include "_shim_remote.h"
 
 /* MountView.WRITE_FLAGS: an open with any of these goes to Python (EROFS there) */
@@ -97,7 +98,7 @@ static void getattr_in_c(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *
  * microseconds of Python per request even when the shim answers it. This fuse_session_receive_buf
  * (interposed like _noflush.c's fuse_reply_open) answers the requests the handlers above answer
  * in C right away, then waits for the next one (GIL released, up to `linger_us`) and goes on:
- * a reader's OPEN, RELEASE, GETATTR, OPEN... never return to trio. The first request C does not
+ * a reader's LOOKUP, OPEN, READ, RELEASE, GETATTR, LOOKUP... never return to trio. The first request C does not
  * answer is returned to pyfuse3 as usual; nothing arriving in time, LINGER_BATCH requests
  * answered in a row, or 1 ms spent here, returns -EINTR, on which pyfuse3 waits again (other
  * trio tasks run first). */
@@ -107,13 +108,15 @@ struct in_header { /* struct fuse_in_header of <linux/fuse.h>: the kernel's ABI 
     uint32_t uid, gid, pid;
     uint16_t total_extlen, padding;
 };
-enum { OP_GETATTR = 3, OP_OPEN = 14, OP_READ = 15, OP_RELEASE = 18, LINGER_BATCH = 64 };
+enum { OP_LOOKUP = 1, OP_GETATTR = 3, OP_OPEN = 14, OP_READ = 15, OP_RELEASE = 18, OP_IOCTL = 39 };
+enum { LINGER_BATCH = 64 };
 #define LINGER_TOTAL_NS 1000000 /* and never longer than 1 ms in all before trio runs again */
 
 typedef int (*receive_t)(struct fuse_session *, struct fuse_buf *);
 typedef void (*process_t)(struct fuse_session *, const struct fuse_buf *);
 typedef int (*session_fd_t)(struct fuse_session *);
 
+static int no_ioctl; /* no ioctl handler: libfuse answers IOCTL with ENOSYS in C */
 static long linger_us; /* 0: the loop is off (every request goes back to pyfuse3) */
 static unsigned long long lingered; /* requests answered without returning to trio */
 static unsigned long long trio_returns; /* times the loop handed back to trio */
@@ -121,17 +124,17 @@ static unsigned long long trio_busy;    /* of which because another trio task wa
 /* Trio-aware lingering (linger_trio): trio's wake-up sockets (other threads' run_sync_soon,
  * trio.from_thread, signals; forced wake-ups) and its run queue. While no task is runnable and
  * no thread or signal wants trio, it has nothing to do that cannot wait a little, so the loop
- * waits longer (TRIO_IDLE_US) for the next request and keeps going (TRIO_TOTAL_NS): each
+ * waits longer (TRIO_IDLE_US) for the next request and keeps going (trio_total_ns, FANSTORE_FUSE_TRIO_TOTAL_US): each
  * return to trio costs pyfuse3 a task spawned and torn down, a lock and an epoll round
  * (~100 us of CPU, measured), once per cold READ with the plain linger. Trio's epoll itself
  * cannot tell: pyfuse3's spare task always waits there on /dev/fuse. Timers and other
- * descriptors of trio tasks are late by at most TRIO_TOTAL_NS. */
+ * descriptors of trio tasks are late by at most that. */
 #define TRIO_FDS 2
 static int trio_fds[TRIO_FDS] = {-1, -1};
 static int trio_fd = -1; /* >= 0: trio-aware (the first wake-up socket) */
 static PyObject *trio_runq;
 #define TRIO_IDLE_US 5000
-#define TRIO_TOTAL_NS 5000000
+static int64_t trio_total_ns = 5000000; /* fast_open's trio_total_us */
 
 /* Whether the handlers above answer this request in C (the same tests they make). */
 static int answered_here(const struct fuse_buf *buf, int len) {
@@ -143,6 +146,10 @@ static int answered_here(const struct fuse_buf *buf, int len) {
     uint32_t u32;
     uint64_t u64;
     switch (h->opcode) {
+    case OP_IOCTL: /* Python's open() asks isatty() (TCGETS) of every buffered file it opens */
+        return no_ioctl;
+    case OP_LOOKUP:
+        return fanstore_lookup_answered(h->nodeid, body, left); /* _shim_readdir.c */
     case OP_GETATTR:
         return getattr_here(h->nodeid);
     case OP_OPEN:
@@ -228,7 +235,7 @@ int fuse_session_receive_buf(struct fuse_session *se, struct fuse_buf *buf) {
         lingered++;
         if (n == 0)
             start = now_ns();
-        else if (now_ns() - start > (aware ? TRIO_TOTAL_NS : LINGER_TOTAL_NS))
+        else if (now_ns() - start > (aware ? trio_total_ns : LINGER_TOTAL_NS))
             break;
         if (!aware && n + 1 >= LINGER_BATCH)
             break;
@@ -251,6 +258,7 @@ int fuse_session_receive_buf(struct fuse_session *se, struct fuse_buf *buf) {
 
 void fanstore_patch_open(struct fuse_lowlevel_ops *ops) {
     reply_err = (reply_err_t)fanstore_libfuse_symbol("fuse_reply_err");
+    no_ioctl = ops->ioctl == NULL;
     if (ops->open == NULL || ops->release == NULL || reply_err == NULL)
         return;
     py_open = ops->open;
@@ -264,14 +272,16 @@ void fanstore_patch_open(struct fuse_lowlevel_ops *ops) {
     }
 }
 
-/* fast_open(linger_us, timeout): answer OPEN, RELEASE and GETATTR of the held dataset's files
- * (attribute timeout `timeout`), lingering `linger_us` after each (0: no linger). */
+/* fast_open(linger_us, timeout, trio_total_us): answer OPEN, RELEASE and GETATTR of the held
+ * dataset's files (attribute timeout `timeout`), lingering `linger_us` after each (0: no
+ * linger), at most `trio_total_us` in a row while trio is idle. */
 PyObject *fanstore_fast_open(PyObject *self, PyObject *args) {
     (void)self;
-    long linger;
+    long linger, total_us = 5000;
     double timeout;
-    if (!PyArg_ParseTuple(args, "ld", &linger, &timeout))
+    if (!PyArg_ParseTuple(args, "ld|l", &linger, &timeout, &total_us))
         return NULL;
+    trio_total_ns = (int64_t)(total_us > 0 ? total_us : 1) * 1000;
     attr_timeout = timeout;
     linger_us = linger;
     if (!fanstore_dataset_serve(FANSTORE_SERVE_FILES, "fast_open"))

@@ -120,22 +120,31 @@ static void fill_entry(uint64_t j, struct fuse_entry_param *e) {
     fanstore_dataset_stat(j, &e->attr);
 }
 
-static void lookup_c(fuse_req_t req, fuse_ino_t parent, const char *name) {
+/* The dataset entry `name` (`len` bytes) of `parent` that lookup_c answers, or -1. */
+static int64_t dataset_child(fuse_ino_t parent, const char *name, size_t len) {
     int64_t dir = dataset_dir(parent);
-    if (dir >= 0) {
-        size_t len = strlen(name);
-        int dots = name[0] == '.' && (len == 1 || (len == 2 && name[1] == '.'));
-        int64_t j = (len <= NAME_MAX_BYTES && !dots) ? find_child((uint64_t)dir, name, len) : -1;
-        if (j >= 0) {
-            struct fuse_entry_param e;
-            fill_entry((uint64_t)j, &e);
-            c_lookups++;
-            file_lookups += ds->kind[j] != FANSTORE_KIND_DIR;
-            reply_entry(req, &e);
-            return;
-        }
+    int dots = len > 0 && name[0] == '.' && (len == 1 || (len == 2 && name[1] == '.'));
+    if (dir < 0 || len == 0 || len > NAME_MAX_BYTES || dots)
+        return -1;
+    return find_child((uint64_t)dir, name, len);
+}
+
+static void lookup_c(fuse_req_t req, fuse_ino_t parent, const char *name) {
+    int64_t j = dataset_child(parent, name, strlen(name));
+    if (j >= 0) {
+        struct fuse_entry_param e;
+        fill_entry((uint64_t)j, &e);
+        c_lookups++;
+        file_lookups += ds->kind[j] != FANSTORE_KIND_DIR;
+        reply_entry(req, &e);
+        return;
     }
     py_lookup(req, parent, name); /* not the dataset's: maybe written */
+}
+
+int fanstore_lookup_answered(uint64_t parent, const void *body, size_t left) {
+    size_t len = strnlen(body, left);
+    return len < left && dataset_child(parent, body, len) >= 0; /* the name ends in a NUL */
 }
 
 /* How many entries a READDIRPLUS reply from `off` in `dir` may hold. The kernel asks READDIRPLUS

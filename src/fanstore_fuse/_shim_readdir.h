@@ -1,6 +1,12 @@
 /* _shim_readdir.c's Python methods, for _noflush.c's method table (include after Python.h). */
 #ifndef FANSTORE_SHIM_READDIR_H
 #define FANSTORE_SHIM_READDIR_H
+#include <stddef.h>
+#include <stdint.h>
+
+/* Whether lookup_c answers a LOOKUP of `parent` whose body (the name and its NUL) is `body`, for
+ * _shim_open.c's request loop (the same test: a pure function of the request and the columns). */
+int fanstore_lookup_answered(uint64_t parent, const void *body, size_t left);
 
 PyObject *fanstore_py_plain_entries(PyObject *self, PyObject *on);
 PyObject *fanstore_py_readdir_stats(PyObject *self, PyObject *unused);
