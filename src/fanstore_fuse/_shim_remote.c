@@ -229,7 +229,7 @@ void *fsr_worker(void *unused) {
             int again;
             char *reply = fsr_serve(&j->h, 0, &n, &again);
             COUNT(served_io);
-            if (reply != NULL && fsr_direct)
+            if (reply != NULL && fsr_direct && fsr_mpi_fresh())
                 fsr_send(j->source, FSR_TAG_REPLY, reply, n, 2e-3); /* no hop to the remote thread */
             else if (reply != NULL)
                 fsr_queue_out(j->source, FSR_TAG_REPLY, reply, n);
@@ -250,14 +250,15 @@ int fsr_add_call(const struct call *proto, double timeout) {
     if (!fanstore_remote_ready() || proto->owner < 0 || proto->owner >= fsr_state.size ||
         proto->owner == fsr_state.rank || proto->blob >= fanstore_blobs.n)
         return -EAGAIN;
+    int direct = fsr_direct && fsr_mpi_fresh();
     struct call *c = malloc(sizeof(*c));
-    struct fsr_header *h = fsr_direct ? malloc(sizeof(*h)) : NULL;
-    if (c == NULL || (fsr_direct && h == NULL)) {
+    struct fsr_header *h = direct ? malloc(sizeof(*h)) : NULL;
+    if (c == NULL || (direct && h == NULL)) {
         free(c);
         return -EAGAIN;
     }
     *c = *proto;
-    c->posted = fsr_direct;
+    c->posted = direct;
     pthread_mutex_lock(&fsr_state.lock);
     uint64_t id = ++fsr_state.next_id;
     c->next = fsr_state.inflight;
@@ -268,7 +269,7 @@ int fsr_add_call(const struct call *proto, double timeout) {
     if (open > fsr_stats.peak_calls)
         fsr_stats.peak_calls = open;
     pthread_mutex_unlock(&fsr_state.lock);
-    if (!fsr_direct) {
+    if (!direct) {
         fsr_poke(fsr_state.wake_fd); /* the remote thread sends the request */
         return 0;
     }
@@ -464,7 +465,7 @@ PyObject *fanstore_py_remote_take(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
     if (fsr_state.done_fd >= 0)
-        fsr_drain(fsr_state.done_fd);
+        fsr_take_pokes(fsr_state.done_fd);
     pthread_mutex_lock(&fsr_state.lock);
     struct finished *f = finished_list;
     finished_list = NULL;

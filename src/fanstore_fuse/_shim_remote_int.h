@@ -100,6 +100,7 @@ struct fsr_state {
     struct sending *sends;
     size_t nsends, capsends;
     uint64_t next_id;
+    int64_t mpi_since; /* ns: the remote thread is inside its MPI calls since then (0: not) */
 };
 extern struct fsr_state fsr_state;
 
@@ -126,10 +127,10 @@ static inline void fsr_poke(int fd) {
     (void)r; /* a full counter still wakes the reader */
 }
 
-static inline void fsr_drain(int fd) {
-    char buf[256];
-    while (read(fd, buf, sizeof(buf)) > 0) {
-    }
+static inline void fsr_take_pokes(int fd) { /* an eventfd: one read resets its counter */
+    uint64_t n;
+    ssize_t r = read(fd, &n, sizeof(n));
+    (void)r;
 }
 
 /* _shim_remote.c: serving, calls, workers */
@@ -153,6 +154,11 @@ void fsr_queue_out(int dest, int tag, char *buf, size_t n);
  * the first after the usual completion time), then handed to the remote thread. */
 int fsr_send(int dest, int tag, char *buf, size_t n, double linger);
 extern int fsr_direct; /* requests and workers' replies sent by their own thread (else: queued) */
+/* Whether the remote thread is not stuck inside MPI (in it for STUCK_NS or more, as on a dead
+ * node's netmod): only then do other threads call MPI themselves (a READ's FUSE thread must
+ * never block there; without direct sends the workers' deadlines answer every call). */
+int fsr_mpi_fresh(void);
+#define STUCK_NS 50000000
 extern double fsr_idle; /* longest sleep with bells (FANSTORE_MPI_BELL_IDLE); a tenth of it with
                           calls in flight */
 void *fsr_thread(void *unused);

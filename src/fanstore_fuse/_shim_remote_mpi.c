@@ -54,13 +54,18 @@ static int fsr_post(int dest, int tag, char *buf, size_t n) {
         free(buf);
         return -1;
     }
+    int done = fsr_mpi.Test(&req, &flag, MPI_STATUS_IGNORE_) == 0 && flag; /* progress first */
     fsr_ring(dest);
-    if (fsr_mpi.Test(&req, &flag, MPI_STATUS_IGNORE_) == 0 && flag) {
+    if (done)
         free(buf); /* eager: complete at once */
-        return 0;
-    }
-    fsr_track(req, buf);
+    else
+        fsr_track(req, buf);
     return 0;
+}
+
+int fsr_mpi_fresh(void) {
+    int64_t since = __atomic_load_n(&fsr_state.mpi_since, __ATOMIC_RELAXED);
+    return since == 0 || (int64_t)(fsr_now() * 1e9) - since < STUCK_NS;
 }
 
 int fsr_send(int dest, int tag, char *buf, size_t n, double linger) {
@@ -70,12 +75,15 @@ int fsr_send(int dest, int tag, char *buf, size_t n, double linger) {
         free(buf);
         return -1;
     }
-    fsr_ring(dest);
+    int rung = 0; /* rung after the first test: that progress may be what puts it on its way */
     /* a rendezvous send needs the sender's progress to finish (the receiver waits for it):
      * tested after 20 us, then at doubling intervals (a later first test, or longer ones,
      * measured costlier in CPU on both sides: docs/performance.md) */
     for (double wait = 20e-6, waited = 0;; wait = wait * 2 < 1e-3 ? wait * 2 : 1e-3) {
-        if (fsr_mpi.Test(&req, &flag, MPI_STATUS_IGNORE_) != 0 || flag) {
+        int done = fsr_mpi.Test(&req, &flag, MPI_STATUS_IGNORE_) != 0 || flag;
+        if (!rung++)
+            fsr_ring(dest);
+        if (done) {
             free(buf);
             return 0;
         }
@@ -268,6 +276,21 @@ int fanstore_remote_suspect(int rank) {
            __atomic_load_n(&s[rank], __ATOMIC_RELAXED) > (int64_t)(fsr_now() * 1e9);
 }
 
+/* The bells that rang, in one recvmmsg (a drain loop's last read, the one that finds none, was
+ * one more syscall per wake-up); ppoll wakes again at once for any left. */
+static void fsr_take_rings(void) {
+    char bufs[16][8];
+    struct iovec iov[16];
+    struct mmsghdr m[16];
+    memset(m, 0, sizeof(m));
+    for (int i = 0; i < 16; i++) {
+        iov[i] = (struct iovec){bufs[i], sizeof(bufs[i])};
+        m[i].msg_hdr.msg_iov = &iov[i];
+        m[i].msg_hdr.msg_iovlen = 1;
+    }
+    (void)recvmmsg(fsr_state.bell_fd, m, 16, MSG_DONTWAIT, NULL);
+}
+
 void *fsr_thread(void *unused) {
     (void)unused;
     double due = 0; /* the current poll interval while polling */
@@ -292,10 +315,12 @@ void *fsr_thread(void *unused) {
                     __atomic_store_n(&fsr_state.gathered, 1, __ATOMIC_RELEASE);
                 }
             }
+            __atomic_store_n(&fsr_state.mpi_since, (int64_t)(fsr_now() * 1e9), __ATOMIC_RELAXED);
             moved |= fsr_start_calls();
             moved |= fsr_receive();
             if (fsr_state.nsends)
                 moved |= fsr_progress_sends();
+            __atomic_store_n(&fsr_state.mpi_since, 0, __ATOMIC_RELAXED);
             if (fsr_state.inflight)
                 fsr_reap(fsr_now(), 0);
         }
@@ -320,13 +345,13 @@ void *fsr_thread(void *unused) {
         struct timespec ts = {(time_t)timeout, (long)((timeout - (double)(time_t)timeout) * 1e9)};
         if (ppoll(fds, 2, &ts, NULL) > 0) {
             if (fds[0].revents) {
-                fsr_drain(fsr_state.bell_fd);
+                fsr_take_rings();
                 COUNT(bell_wakes);
                 chase = 1;
                 due = 0;
             }
             if (fds[1].revents)
-                fsr_drain(fsr_state.wake_fd);
+                fsr_take_pokes(fsr_state.wake_fd);
         }
     }
     /* stopping: what is in flight will not be answered */
