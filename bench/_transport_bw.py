@@ -58,7 +58,8 @@ def thread_cpu() -> dict[str, float]:
         except OSError:
             continue
         fields = rest.split()
-        key = names.get(int(tid), "other").split("_")[0].split(" ")[0]
+        comm = name.split("(", 1)[-1]  # C threads: their own name (fsr-remote, fsr-worker)
+        key = names.get(int(tid), comm).split("_")[0].split(" ")[0]
         out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
 
