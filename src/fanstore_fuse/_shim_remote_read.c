@@ -11,8 +11,8 @@
  * - the blob is at most WHOLE_MAX raw bytes, or the READ covers all of it: the whole blob
  *   travels and is verified, then is offered to the disk cache when there is one (Python's
  *   CRemote.run puts it);
- * - or the blob is larger and the READ sequential (it starts where the last READ of the file
- *   ended, or at the chunk's start) or its blob is in the chunk cache: the whole blob travels once into one of SLOTS
+ * - or the blob is larger (up to CHUNK_MAX) and the READ sequential (it starts where the last
+ *   READ of the file ended, or at the chunk's start) or its blob is in the chunk cache: the whole blob travels once into one of SLOTS
  *   slots (READs arriving while it travels wait on it, later ones are answered from it on the
  *   FUSE thread), the file's next chunk is fetched ahead, and the blob is offered to the disk
  *   cache when there is one;
@@ -37,6 +37,7 @@
 
 #define WHOLE_MAX (1u << 20)
 #define SLOTS 8      /* whole chunks kept for sequential READs (8 x 4 MiB chunks: 32 MiB) */
+#define CHUNK_MAX (16u << 20) /* larger blobs never go in a slot (8 x 16 MiB at most) */
 #define SEQ_SLOTS 64 /* files whose last READ's end is remembered (hashed by inode) */
 
 typedef void (*read_op_t)(fuse_req_t, fuse_ino_t, size_t, off_t, struct fuse_file_info *);
@@ -111,7 +112,7 @@ static int take(uint64_t ino, uint64_t fh, uint64_t off, uint64_t size, struct r
         return 0;
     int mode = WHOLE;
     if (raw > WHOLE_MAX && !(off == base && end - base == raw)) {
-        if (chunks && (off == base || chunk_wanted(ino, off, b)))
+        if (chunks && raw <= CHUNK_MAX && (off == base || chunk_wanted(ino, off, b)))
             mode = CHUNK;
         else if (cache_loc == NULL && fanstore_blobs.codec[b] == FANSTORE_CODEC_FRAMED)
             mode = RANGE;
@@ -293,7 +294,7 @@ static void fetch_ahead(const struct rread *r) {
         return;
     uint64_t b = fanstore_ds.first[j] + k;
     if (fanstore_blob_held(b) || (cache_loc != NULL && cache_loc[b] != 0) || fanstore_remote_suspect(own[b]) ||
-        fanstore_blobs.raw[b] <= WHOLE_MAX)
+        fanstore_blobs.raw[b] <= WHOLE_MAX || fanstore_blobs.raw[b] > CHUNK_MAX)
         return;
     pthread_mutex_lock(&slot_lock);
     if (find_slot(b) >= 0) {
