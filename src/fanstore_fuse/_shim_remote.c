@@ -13,7 +13,6 @@
 struct fsr_state fsr_state = {.lock = PTHREAD_MUTEX_INITIALIZER, .job_cond = PTHREAD_COND_INITIALIZER,
                               .wake_fd = -1, .done_fd = -1, .bell_fd = -1};
 struct fsr_stats fsr_stats;
-int fsr_direct = 1;
 
 /* ------------------------------------------------------------------ serving */
 
@@ -273,16 +272,7 @@ int fsr_add_call(const struct call *proto, double timeout) {
         fsr_poke(fsr_state.wake_fd); /* the remote thread sends the request */
         return 0;
     }
-    /* sent from this thread (MPI_THREAD_MULTIPLE): no wake-up of the remote thread, which
-     * may already have the reply (and freed c) when fsr_send returns */
-    int owner = proto->owner;
-    *h = (struct fsr_header){FSR_MAGIC, FSR_VERSION, (uint8_t)proto->op, 0, id, proto->blob, proto->lo, proto->hi};
-    if (fsr_send(owner, FSR_TAG_REQUEST, (char *)h, sizeof(*h), 0) != 0) {
-        COUNT(peer_errors);
-        fsr_suspect(owner);
-        if ((c = fsr_unlink_call(id)) != NULL)
-            fsr_finish(c, -EIO);
-    }
+    fsr_send_request(proto, id, h);
     return 0;
 }
 
@@ -370,10 +360,7 @@ PyObject *fanstore_py_remote_start(PyObject *self, PyObject *args) {
     fsr_state.rank = rank;
     fsr_state.size = size;
     fsr_state.stopping = fsr_state.ready = fsr_state.gathered = 0;
-    const char *direct = getenv("FANSTORE_CREMOTE_DIRECT"); /* 0: every send by the remote thread */
-    fsr_direct = direct == NULL || strcmp(direct, "0") != 0;
-    const char *idle = getenv("FANSTORE_MPI_BELL_IDLE"); /* as the Python MPI thread's */
-    fsr_idle = idle != NULL && atof(idle) > 0 ? atof(idle) : 0.05;
+    fsr_read_knobs();
     memset(&fsr_stats, 0, sizeof(fsr_stats));
     if (fsr_state.suspect_until == NULL)
         fsr_state.suspect_until = calloc((size_t)size, sizeof(int64_t)); /* NULL: nobody suspect */

@@ -153,6 +153,9 @@ void fsr_queue_out(int dest, int tag, char *buf, size_t n);
  * complete at once is tested by this thread for up to `linger` seconds (sleeping between tests,
  * the first after the usual completion time), then handed to the remote thread. */
 int fsr_send(int dest, int tag, char *buf, size_t n, double linger);
+/* Send call `id`'s request (`h`, taken over) from this thread; a refusal ends the call (EIO). */
+void fsr_send_request(const struct call *proto, uint64_t id, struct fsr_header *h);
+void fsr_read_knobs(void); /* FANSTORE_CREMOTE_DIRECT, FANSTORE_MPI_BELL_IDLE (remote_start) */
 extern int fsr_direct; /* requests and workers' replies sent by their own thread (else: queued) */
 /* Whether the remote thread is not stuck inside MPI (in it for STUCK_NS or more, as on a dead
  * node's netmod): only then do other threads call MPI themselves (a READ's FUSE thread must

@@ -11,6 +11,7 @@
 
 struct fsr_mpi fsr_mpi;
 double fsr_idle = 0.05;
+int fsr_direct = 1;
 
 const char *fsr_find_mpi(const char *path) {
     void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
@@ -104,6 +105,27 @@ int fsr_send(int dest, int tag, char *buf, size_t n, double linger) {
     pthread_mutex_unlock(&fsr_state.lock);
     fsr_poke(fsr_state.wake_fd);
     return 0;
+}
+
+void fsr_send_request(const struct call *proto, uint64_t id, struct fsr_header *h) {
+    /* sent from this thread (MPI_THREAD_MULTIPLE): no wake-up of the remote thread, which
+     * may already have the reply (and freed the call) when fsr_send returns */
+    int owner = proto->owner;
+    *h = (struct fsr_header){FSR_MAGIC, FSR_VERSION, (uint8_t)proto->op, 0, id, proto->blob, proto->lo, proto->hi};
+    if (fsr_send(owner, FSR_TAG_REQUEST, (char *)h, sizeof(*h), 0) != 0) {
+        COUNT(peer_errors);
+        fsr_suspect(owner);
+        struct call *c = fsr_unlink_call(id);
+        if (c != NULL)
+            fsr_finish(c, -EIO);
+    }
+}
+
+void fsr_read_knobs(void) {
+    const char *direct = getenv("FANSTORE_CREMOTE_DIRECT"); /* 0: every send by the remote thread */
+    fsr_direct = direct == NULL || strcmp(direct, "0") != 0;
+    const char *idle = getenv("FANSTORE_MPI_BELL_IDLE"); /* as the Python MPI thread's */
+    fsr_idle = idle != NULL && atof(idle) > 0 ? atof(idle) : 0.05;
 }
 
 static int fsr_progress_sends(void) {
