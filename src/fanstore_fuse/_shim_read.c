@@ -33,6 +33,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -68,6 +69,7 @@ struct job {
     fuse_req_t req;
     uint64_t ino, off;
     uint32_t size;
+    int flags; /* the file's open flags (O_DIRECT: nothing pushed to the page cache) */
 };
 
 static pthread_mutex_t qlock = PTHREAD_MUTEX_INITIALIZER;
@@ -131,12 +133,18 @@ static int serve(const struct job *jb, int nowait, struct worker *w) {
     uint64_t first = fanstore_ds.first[j], k0 = jb->off / chunk, k1 = (end - 1) / chunk;
     const char *out;
     int r;
+    fanstore_scratch_release(&w->s); /* s.frame: this READ's frame, if any, from here on */
     if (k0 == k1) {
         uint64_t base = k0 * chunk;
         r = fanstore_cache_blob_range(first + k0, jb->off - base, end - base, nowait, &w->s, &out);
-        if (r == FANSTORE_BLOB_OK)
-            reply_buf(jb->req, out, end - jb->off);
-        return r;
+        if (r != FANSTORE_BLOB_OK)
+            return r;
+        reply_buf(jb->req, out, end - jb->off);
+        if (w->s.frame != NULL && !(jb->flags & O_DIRECT) && fanstore_push_on()) {
+            fanstore_push(jb->ino, base + w->s.frame->at, w->s.frame);
+            w->s.frame = NULL;
+        }
+        return FANSTORE_BLOB_OK;
     }
     size_t n = end - jb->off;
     if (w->cat_cap < n) {
@@ -266,10 +274,12 @@ static void read_in_c(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
         py_read(req, ino, size, off, fi);
         return;
     }
-    struct job jb = {req, ino, (uint64_t)off, (uint32_t)size};
+    struct job jb = {req, ino, (uint64_t)off, (uint32_t)size, fi->flags};
     static struct worker fuse_thread; /* only ever used on the one FUSE thread */
     if (size <= inline_max) {
-        if (serve(&jb, 1, &fuse_thread) == FANSTORE_BLOB_OK) {
+        /* page cache, cached frames and raw frames only: a zstd frame to decode waits for
+         * alone() (else a thread decodes it while this one takes the next request) */
+        if (serve(&jb, FANSTORE_CHEAP, &fuse_thread) == FANSTORE_BLOB_OK) {
             count(&jb, 1);
             return;
         }
