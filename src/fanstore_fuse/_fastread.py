@@ -10,6 +10,9 @@ dataset file whose bytes are all held here is answered by the shim's threads; an
 (written files, blobs of other ranks, large non-framed blobs) goes to `Operations.read` as
 before. When C fails (checksum, short read, decode), it calls `_fallback`, which does the read
 the Python way on the trio thread (logging, counting, replicas, EIO) and C replies with that.
+Decoded zstd frames read in part are kept in C (`_shim_fcache.c`, up to the daemon's
+`FANSTORE_CACHE_BYTES`) and, after a buffered READ, pushed into the kernel's page cache
+(`_shim_push.c`); `counts` reports both (`c_frame_*`).
 """
 
 from __future__ import annotations
