@@ -7,11 +7,13 @@ frame served by the page cache afterwards, and a corrupt frame giving EIO, never
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -70,17 +72,29 @@ def _framed_blob(dest: Path) -> tuple[BlobStore, int]:
     return store, blob
 
 
+@contextlib.contextmanager
+def _held(dest: Path, budget: int) -> Iterator[tuple[object, BlobStore, int, bytes]]:
+    """The shim holding DEST's blobs with a frame cache of `budget` bytes (no push): (shim,
+    store, a framed blob of zstd frames, its raw bytes); everything released after."""
+    shim = _shim()
+    store, blob = _framed_blob(dest)
+    try:
+        raw = store.raw(blob)
+        _fastread.hold_blobs(store)
+        shim.frame_cache(budget, False)
+        yield shim, store, blob, raw
+    finally:
+        shim.frame_cache(0, False)
+        shim.drop_blobs()
+        store.close()
+
+
 # ---------------------------------------------------------------------------- in process
 
 
 def test_random_ranges_hit_the_cache_and_match(dataset):
-    shim = _shim()
-    store, blob = _framed_blob(dataset[0])
-    raw = store.raw(blob)
     rng = random.Random(3)
-    try:
-        _fastread.hold_blobs(store)
-        shim.frame_cache(64 * MiB, False)
+    with _held(dataset[0], 64 * MiB) as (shim, _, blob, raw):
         frames = set()
         for _ in range(300):
             lo = rng.randrange(len(raw) - 4096)
@@ -97,42 +111,23 @@ def test_random_ranges_hit_the_cache_and_match(dataset):
         assert shim.blob_read(blob, 0, len(raw)) == raw
         assert shim.blob_read(blob, FRAME - 10, FRAME + 10) == raw[FRAME - 10:FRAME + 10]
         assert _counts(shim)["c_frame_misses"] == len(frames)
-    finally:
-        shim.frame_cache(0, False)
-        shim.drop_blobs()
-        store.close()
 
 
 def test_a_cache_smaller_than_a_frame_keeps_nothing(dataset):
-    shim = _shim()
-    store, blob = _framed_blob(dataset[0])
-    raw = store.raw(blob)
-    try:
-        _fastread.hold_blobs(store)
-        shim.frame_cache(FRAME - 1, False)
+    with _held(dataset[0], FRAME - 1) as (shim, _, blob, raw):
         for _ in range(3):
             assert shim.blob_read(blob, 100, 4196) == raw[100:4196]
         c = _counts(shim)
-        assert c["c_frame_misses"] == 3 and c["c_frame_hits"] == 0, c
-        assert c["c_frame_entries"] == 0 and c["c_frame_bytes"] == 0, c
-    finally:
-        shim.frame_cache(0, False)
-        shim.drop_blobs()
-        store.close()
+    assert c["c_frame_misses"] == 3 and c["c_frame_hits"] == 0, c
+    assert c["c_frame_entries"] == 0 and c["c_frame_bytes"] == 0, c
 
 
 def test_eviction_under_a_tiny_budget_least_recent_first(dataset):
-    shim = _shim()
-    store, blob = _framed_blob(dataset[0])
-    raw = store.raw(blob)
+    with _held(dataset[0], 2 * FRAME + 100) as (shim, store, blob, raw):  # two frames
+        def read(k: int) -> None:
+            lo = k * FRAME + 1000
+            assert shim.blob_read(blob, lo, lo + 4096) == raw[lo:lo + 4096], k
 
-    def read(k: int) -> None:
-        lo = k * FRAME + 1000
-        assert shim.blob_read(blob, lo, lo + 4096) == raw[lo:lo + 4096], k
-
-    try:
-        _fastread.hold_blobs(store)
-        shim.frame_cache(2 * FRAME + 100, False)  # two frames
         for k in (0, 1, 0, 2):  # 2 evicts 1 (0 was used after 1)
             read(k)
         c = _counts(shim)
@@ -149,10 +144,6 @@ def test_eviction_under_a_tiny_budget_least_recent_first(dataset):
         assert _counts(shim)["c_frame_entries"] == 0
         read(0)
         assert _counts(shim)["c_frame_misses"] == 5
-    finally:
-        shim.frame_cache(0, False)
-        shim.drop_blobs()
-        store.close()
 
 
 def test_a_corrupt_frame_is_never_kept_nor_returned(dataset, tmp_path: Path):
