@@ -136,11 +136,13 @@ def report(res: dict, keys: list[str]) -> list[str]:
     lines = []
     for fk, jobs in res.items():
         lines.append(f"\n{fk} ({FILES[fk]})")
-        lines.append(f"{'job':<15}" + "".join(f"{k:>20}" for k in keys) + "   ratio vs bar")
+        w = {k: max(20, len(k) + 2) for k in keys}
+        lines.append(f"{'job':<15}" + "".join(f"{k:>{w[k]}}" for k in keys) + "   ratio vs bar")
         for job, by in jobs.items():
             unit = "iops" if job.startswith("rand") else "MiB_s"
-            cells = [f"{by[k][unit]:>12.0f} {'IOPS' if unit == 'iops' else 'MiB/s':>7}"
-                     if "error" not in by.get(k, {"error": 1}) else f"{'n/a':>20}" for k in keys]  # fmt: skip
+            name = "IOPS" if unit == "iops" else "MiB/s"
+            cells = [f"{by[k][unit]:>{w[k] - 8}.0f} {name:>7}" if "error" not in by.get(k, {"error": 1})
+                     else f"{'n/a':>{w[k]}}" for k in keys]  # fmt: skip
             base, bar = BARS[job.split("-")[0]]
             tail = ""
             fs, ref = by.get("fanstore1", {}), by.get(base, {})

@@ -20,9 +20,11 @@ import pytest
 from _harness import mounted, prep_cli, status_ranks
 
 from fanstore_fuse import _fastclose, _fastread
+from fanstore_fuse._blobcodec import RAW_FRAME_SIZE
 from fanstore_fuse._blobstore import BlobStore
 from fanstore_fuse._format import CODEC_FRAMED, MANIFEST_NAME, read_manifest
 from fanstore_fuse._namespace import Namespace
+from fanstore_fuse._ring import Placement
 
 KiB, MiB = 1 << 10, 1 << 20
 FRAME = 64 * KiB  # --frame-kib 64
@@ -200,6 +202,24 @@ def _odirect(path: Path, ranges: list[tuple[int, int]]) -> list[bytes]:
         buf.close()
 
 
+def _pushed_then_read_without_a_read(mt, fd: int, data: bytes, start: int, size: int) -> None:
+    """A 4 KiB read (fd: buffered, POSIX_FADV_RANDOM) inside [start, start + size), a frame or
+    sub-block never read before, makes the daemon push all of it into the page cache: every
+    4 KiB of it then reads right without a READ reaching the daemon."""
+    pushed = _shim_counts(mt)["c_frame_pushes"]
+    off = start + 8192
+    assert os.pread(fd, 4096, off) == data[off:off + 4096]
+    deadline = time.monotonic() + 10
+    while _shim_counts(mt)["c_frame_pushes"] <= pushed and time.monotonic() < deadline:
+        time.sleep(0.05)
+    before = _shim_counts(mt)
+    assert before["c_frame_pushes"] == pushed + 1, before
+    for o in range(start, start + size, 4096):
+        assert os.pread(fd, 4096, o) == data[o:o + 4096], o
+    after = _shim_counts(mt)
+    assert after["c_reads"] == before["c_reads"], (before, after)
+
+
 @pytest.mark.mount
 @pytest.mark.timeout(180)
 def test_mounted_random_4k_reads_from_the_cache_and_the_page_cache(dataset, tmp_path: Path,
@@ -225,17 +245,7 @@ def test_mounted_random_4k_reads_from_the_cache_and_the_page_cache(dataset, tmp_
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             fresh = 2 * MiB // FRAME + 3  # in the third chunk, framed too, never read yet
-            off = fresh * FRAME + 8192
-            assert os.pread(fd, 4096, off) == data[off:off + 4096]
-            deadline = time.monotonic() + 10
-            while _shim_counts(mt)["c_frame_pushes"] < 1 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            before = _shim_counts(mt)
-            assert before["c_frame_pushes"] >= 1, before
-            for o in range(fresh * FRAME, (fresh + 1) * FRAME, 4096):
-                assert os.pread(fd, 4096, o) == data[o:o + 4096], o
-            after = _shim_counts(mt)
-            assert after["c_reads"] == before["c_reads"], (before, after)
+            _pushed_then_read_without_a_read(mt, fd, data, fresh * FRAME, FRAME)
             # Random buffered 4 KiB reads all over the file: every byte right.
             for p in rng.sample(range(len(data) // 4096), 300):
                 assert os.pread(fd, 4096, p * 4096) == data[p * 4096:p * 4096 + 4096], p
@@ -244,6 +254,28 @@ def test_mounted_random_4k_reads_from_the_cache_and_the_page_cache(dataset, tmp_
         assert path.read_bytes() == data
         c = _shim_counts(mt)
     assert c["c_read_fallbacks"] == 0 and c["c_frame_push_fails"] == 0, c
+
+
+@pytest.mark.mount
+@pytest.mark.timeout(120)
+def test_mounted_buffered_read_pushes_a_raw_sub_block(tmp_path: Path, state_dir: Path):
+    src = tmp_path / "src"
+    src.mkdir()
+    data = random.Random(5).randbytes(2 * MiB + 100)  # incompressible: raw sub-blocks
+    (src / "r.bin").write_bytes(data)
+    dest = prep_cli(src, tmp_path / "dest", "-p", "1", "--chunk-mib", "1", "--codec", "none")
+    with mounted(dest, tmp_path / "mnt", state_dir) as mt:
+        fd = os.open(mt.path / "r.bin", os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            _pushed_then_read_without_a_read(mt, fd, data, MiB + 5 * RAW_FRAME_SIZE, RAW_FRAME_SIZE)
+        finally:
+            os.close(fd)
+        sub = 9 * RAW_FRAME_SIZE  # O_DIRECT: bytes right, nothing pushed
+        assert _odirect(mt.path / "r.bin", [(sub + 4096, 4096)]) == [data[sub + 4096:sub + 8192]]
+        c = _shim_counts(mt)
+    assert c["c_frame_pushes"] == 1 and c["c_frame_entries"] == 0, c  # sub-blocks never kept
+    assert c["c_read_fallbacks"] == 0, c
 
 
 @pytest.mark.mount
@@ -302,3 +334,42 @@ def test_mounted_corrupt_frame_gives_eio_never_bytes(dataset, tmp_path: Path, st
             os.close(fd)
         c = _shim_counts(mt)
     assert c["c_read_fallbacks"] >= 7, c  # each handed to Python, which gave EIO
+
+
+@pytest.mark.mount
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_a_disk_cache_read_between_two_reads_of_a_held_blob(tmp_path: Path, state_dir: Path):
+    """The READ threads' scratch keeps the last whole blob decoded (many O_DIRECT READs of one
+    blob decode it once); a blob read from the disk cache of remote blobs lands in the same
+    buffer, so it must forget that blob: A (held, zstd), B (cached), A again, all on the FUSE
+    thread (page cache warm), byte for byte. Found as 22 wrong reads of the 3-rank soak."""
+    src = tmp_path / "src"
+    src.mkdir()
+    files = {f"s{i:02d}.csv": _text(20_000 + 97 * i, 100 + i) for i in range(24)}
+    for rel, data in files.items():
+        (src / rel).write_bytes(data)
+    dest = prep_cli(src, tmp_path / "dest", "-p", "3")
+    m = read_manifest(dest / MANIFEST_NAME)
+    ns = Namespace(m)
+    pl = Placement(2, 1)
+    held, remote = [], []
+    for rel in files:
+        (b,) = ns.blobs(ns.resolve(rel.encode()))
+        assert m.blobs["codec"][b] == 1, "the test needs whole zstd blobs"
+        (held if pl.holds(0, b) else remote).append(rel)
+    assert held and remote
+    with mounted(dest, tmp_path / "mnt" / "{rank}", state_dir, ranks=2,
+                 local=tmp_path / "local" / "{rank}", extra_args=["--cache-size", "64M"]) as mt:
+        mp = Path(mt.mountpoints[0])
+        for rel, data in files.items():  # remote blobs fetched once, into the disk cache
+            assert (mp / rel).read_bytes() == data, rel
+        deadline = time.monotonic() + 30
+        while (status_ranks(mt.status())[0]["disk_cache"]["entries"] < len(remote)
+               and time.monotonic() < deadline):
+            time.sleep(0.1)
+        for a, b in zip(held, remote):
+            got = [_odirect(mp / rel, [(0, 32 * KiB)])[0] for rel in (a, b, a)]
+            assert got == [files[a], files[b], files[a]], (a, b)
+        r0 = status_ranks(mt.status())[0]
+    assert r0["fuse_shim"]["c_cache_hits"] >= min(len(held), len(remote)), r0["fuse_shim"]

@@ -138,13 +138,15 @@ void fanstore_fcache_counts(unsigned long long out[6]);
 /* A thread's buffers for fanstore_blob_range (grown as needed; free with
  * fanstore_scratch_free; zero-initialized). The last non-framed blob decoded stays there, so
  * many small reads of one blob (O_DIRECT) decode and verify it once. `frame`: the cached frame
- * the last range came from (a reference, released by the next fanstore_blob_range or
- * fanstore_scratch_release), or NULL. */
+ * the last range came from, or with `want_frame` a copy of the raw frame (sub-block) it came
+ * from (a reference, released by the next fanstore_blob_range or fanstore_scratch_release), or
+ * NULL. */
 struct fanstore_scratch {
     char *stored, *raw;
     size_t stored_cap, raw_cap;
     uint64_t have; /* 1 + the blob whose verified raw bytes the buffers hold; 0: none */
     struct fanstore_frame *frame;
+    int want_frame; /* set by the caller: a raw frame read in part comes as s->frame too */
 };
 void fanstore_scratch_free(struct fanstore_scratch *s);
 void fanstore_scratch_release(struct fanstore_scratch *s); /* the frame reference, if any */

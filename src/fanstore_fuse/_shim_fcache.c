@@ -78,12 +78,16 @@ static void remove_locked(struct fanstore_frame *f) {
 struct fanstore_frame *fanstore_fcache_new(uint64_t blob, uint32_t k, uint64_t at, uint32_t len) {
     struct fanstore_frame *f = NULL;
     pthread_mutex_lock(&lock);
-    if (spares != NULL && spares->cap >= len) {
+    if (spares != NULL) {
         f = spares;
         spares = f->hnext;
         nspares--;
     }
     pthread_mutex_unlock(&lock);
+    if (f != NULL && f->cap < len) { /* a smaller one (a sub-block's): not to block the list */
+        free(f);
+        f = NULL;
+    }
     uint32_t cap = f != NULL ? f->cap : len;
     if (f == NULL && (f = malloc(sizeof(*f) + len)) == NULL)
         return NULL;

@@ -316,6 +316,15 @@ static int cached_frame(uint64_t blob, const struct fanstore_ftable *t, uint32_t
     return FANSTORE_BLOB_OK;
 }
 
+/* A frame object (not kept) holding a copy of `n` checked raw bytes; NULL without memory. */
+static struct fanstore_frame *frame_copy(uint64_t blob, uint32_t k, uint64_t at, const char *src,
+                                         uint32_t n) {
+    struct fanstore_frame *f = fanstore_fcache_new(blob, k, at, n);
+    if (f != NULL)
+        memcpy(f->data, src, n);
+    return f;
+}
+
 static int framed_range(uint64_t blob, uint64_t lo, uint64_t hi, int nowait,
                         struct fanstore_scratch *s, const char **out) {
     const struct fanstore_ftable *t;
@@ -325,8 +334,8 @@ static int framed_range(uint64_t blob, uint64_t lo, uint64_t hi, int nowait,
     s->have = 0;
     uint32_t k0 = (uint32_t)(lo / t->frame_size), k1 = (uint32_t)((hi - 1) / t->frame_size);
     uint64_t first_raw = (uint64_t)k0 * t->frame_size;
-    if (k0 == k1 && t->zstd[k0] && hi - lo < fanstore_frame_raw_size(t, k0) &&
-        fanstore_fcache_on()) {
+    int part = k0 == k1 && hi - lo < fanstore_frame_raw_size(t, k0);
+    if (part && t->zstd[k0] && fanstore_fcache_on()) {
         r = cached_frame(blob, t, k0, lo, nowait, s, out);
         fanstore_table_put(t);
         return r;
@@ -340,8 +349,11 @@ static int framed_range(uint64_t blob, uint64_t lo, uint64_t hi, int nowait,
         r = FANSTORE_BLOB_NOMEM;
     else if ((r = fanstore_blob_pread(blob, rel, n, s->stored, nowait)) == FANSTORE_BLOB_OK &&
              (r = fanstore_frames_decode(t, k0, k1, s->stored, raw ? NULL : s->raw)) ==
-                 FANSTORE_BLOB_OK)
+                 FANSTORE_BLOB_OK) {
         *out = (raw ? s->stored : s->raw) + (lo - first_raw);
+        if (part && raw && s->want_frame) /* the checked sub-block, for the page cache */
+            s->frame = frame_copy(blob, k0, first_raw, s->stored, fanstore_frame_raw_size(t, k0));
+    }
     fanstore_table_put(t);
     return r;
 }

@@ -1,18 +1,20 @@
 /* Decoded frames pushed into the kernel's page cache (issue 11, compressed random reads).
  *
- * A buffered READ of part of a zstd frame made C decode (and check) the whole frame; after the
- * reply, _shim_read.c hands the frame (fanstore_push) to one thread here, which stores it in the
- * file's page cache with fuse_lowlevel_notify_store: the next buffered reads of that frame are
- * page-cache hits that never reach the daemon, as squashfs does with a block in the kernel.
- * Dataset files are immutable and opened with keep_cache, so the pages stay valid.
+ * A buffered READ of part of a zstd frame made C decode (and check) the whole frame, one of part
+ * of a raw 16 KiB sub-block read and check the whole sub-block; after the reply, _shim_read.c
+ * hands the frame (fanstore_push) to one thread here, which stores it in the file's page cache
+ * with fuse_lowlevel_notify_store: the next buffered reads of that frame are page-cache hits
+ * that never reach the daemon, as squashfs does with a block in the kernel. Dataset files are
+ * immutable and opened with keep_cache, so the pages stay valid.
  *
  * - O_DIRECT READs never push (they bypass the page cache); nor do READs of whole frames
  *   (sequential readers already get every page they asked for).
  * - one thread, off the READ path: notify_store locks each page it fills, and may wait for a
  *   page whose own READ is still being answered; the READ threads never wait for the pusher
  *   (its queue is bounded, a frame that finds it full is dropped: a later READ decodes again).
- * - only frames from the frame cache (_shim_fcache.c): decoded and verified, referenced until
- *   stored. Never past the file's end (a frame lies inside its blob, the blob inside the file).
+ * - only checked bytes: zstd frames from the frame cache (_shim_fcache.c), sub-blocks copied
+ *   after their check (fanstore_blob_range's want_frame), referenced until stored. Never past
+ *   the file's end (a frame lies inside its blob, the blob inside the file).
  * - fuse_session_destroy (interposed, like _noflush.c's fuse_session_new) stops the pusher and
  *   waits for a store in progress before libfuse frees the session.
  */

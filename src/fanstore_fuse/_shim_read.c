@@ -31,9 +31,10 @@
  * of one zstd frame decodes the whole frame (its xxh3 covers it): the frame is kept in C
  * (_shim_fcache.c, for O_DIRECT readers whose every 4 KiB comes here) and, for a buffered READ,
  * pushed into the page cache after the reply (_shim_push.c), so the frame's other pages never
- * come here. The first try on the FUSE thread (FANSTORE_CHEAP) decodes no zstd frame: a decode
- * (~0.2 ms for 128 KiB) runs there only when nothing else waits, else on a thread, so that 16
- * O_DIRECT READs in flight decode on every core.
+ * come here (a raw sub-block read in part is pushed the same way). The first try on the FUSE
+ * thread (FANSTORE_CHEAP) decodes no zstd frame: a decode (~0.2 ms for 128 KiB) runs there only
+ * when nothing else waits, else on a thread, so that 16 O_DIRECT READs in flight decode on
+ * every core.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -139,13 +140,15 @@ static int serve(const struct job *jb, int nowait, struct worker *w) {
     const char *out;
     int r;
     fanstore_scratch_release(&w->s); /* s.frame: this READ's frame, if any, from here on */
+    w->s.want_frame = 0;
     if (k0 == k1) {
         uint64_t base = k0 * chunk;
+        w->s.want_frame = !(jb->flags & O_DIRECT) && fanstore_push_on();
         r = fanstore_cache_blob_range(first + k0, jb->off - base, end - base, nowait, &w->s, &out);
         if (r != FANSTORE_BLOB_OK)
             return r;
         reply_buf(jb->req, out, end - jb->off);
-        if (w->s.frame != NULL && !(jb->flags & O_DIRECT) && fanstore_push_on()) {
+        if (w->s.frame != NULL && w->s.want_frame) { /* part of a frame or sub-block */
             fanstore_push(jb->ino, base + w->s.frame->at, w->s.frame);
             w->s.frame = NULL;
         }
