@@ -4,7 +4,9 @@ Jobs: sequential read 1 MiB and random read 4 KiB, with psync (buffered) and lib
 iodepth 16), on an incompressible file (stored raw: sub-blocks) and a compressible float32 one
 (zstd frames). Every job starts cold: each FUSE system is mounted afresh (empty daemon caches)
 and the page cache is dropped. Bars (issue 11): randread 4k >= 0.5x ext4, seq 1M >= 1.0x
-squashfuse. `python -m bench.fio --quick` (320 MiB files, 4 s jobs) or `--full` (15 s jobs).
+squashfuse. `python -m bench.fio --quick` (320 MiB files, 4 s jobs) or `--full` (15 s jobs);
+`--ab KEY=VALUE[,K2=V2]` adds fanstore-fuse mounted with that daemon environment (e.g.
+`FANSTORE_FRAME_PUSH=0`), on the same prepped copy, as another column.
 """
 
 from __future__ import annotations
@@ -72,6 +74,23 @@ class NoFrames(FanStore):
         return super()._run(*args, timeout=timeout, check=check)
 
 
+class WithEnv(FanStore):
+    """fanstore1's prepped copy mounted with extra daemon environment (`--ab`)."""
+
+    def __init__(self, *a, env: dict[str, str], **kw):
+        self.extra_env = env  # before check(), which System.__init__ calls
+        super().__init__(*a, **kw)
+        self.key = self.label = "fanstore1 " + ",".join(f"{k}={v}" for k, v in env.items())
+
+    def check(self) -> tuple[bool, str]:
+        ok, why = super().check()
+        self.env = {**self.env, **self.extra_env}
+        return ok, why
+
+    def prep(self) -> dict:
+        return {}  # fanstore1 (listed first) prepped self.dest
+
+
 class Ext4(System):
     key, label, is_fuse = "ext4", "ext4 (source)", False
 
@@ -117,11 +136,13 @@ def report(res: dict, keys: list[str]) -> list[str]:
     lines = []
     for fk, jobs in res.items():
         lines.append(f"\n{fk} ({FILES[fk]})")
-        lines.append(f"{'job':<15}" + "".join(f"{k:>20}" for k in keys) + "   ratio vs bar")
+        w = {k: max(20, len(k) + 2) for k in keys}
+        lines.append(f"{'job':<15}" + "".join(f"{k:>{w[k]}}" for k in keys) + "   ratio vs bar")
         for job, by in jobs.items():
             unit = "iops" if job.startswith("rand") else "MiB_s"
-            cells = [f"{by[k][unit]:>12.0f} {'IOPS' if unit == 'iops' else 'MiB/s':>7}"
-                     if "error" not in by.get(k, {"error": 1}) else f"{'n/a':>20}" for k in keys]  # fmt: skip
+            name = "IOPS" if unit == "iops" else "MiB/s"
+            cells = [f"{by[k][unit]:>{w[k] - 8}.0f} {name:>7}" if "error" not in by.get(k, {"error": 1})
+                     else f"{'n/a':>{w[k]}}" for k in keys]  # fmt: skip
             base, bar = BARS[job.split("-")[0]]
             tail = ""
             fs, ref = by.get("fanstore1", {}), by.get(base, {})
@@ -140,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", default="ext4,squashfuse,fanstore1,fanstore-noframes")
     ap.add_argument("--files", default="rand,tensor")
     ap.add_argument("--level", type=int, default=3)
+    ap.add_argument("--ab", action="append", default=[], metavar="KEY=VALUE[,K2=V2]",
+                    help="also fanstore1 with this daemon environment (needs fanstore1)")
     ap.add_argument("--work", default=None, help="scratch dir (default: a fresh one in /tmp)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     cfg = ap.parse_args(argv)
@@ -166,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         info = s.prep()
         log(f"{key}: prepped {info.get('image_bytes', 0)} bytes in {info.get('prep_s', 0):.1f} s")
         systems.append(s)
+    for ab in cfg.ab:
+        env = dict(kv.split("=", 1) for kv in ab.split(","))
+        systems.append(WithEnv(ds, work, cfg.level, env=env))
     load = os.getloadavg()
     try:
         res = measure(systems, size, runtime, cfg.files.split(","))

@@ -10,6 +10,9 @@ dataset file whose bytes are all held here is answered by the shim's threads; an
 (written files, blobs of other ranks, large non-framed blobs) goes to `Operations.read` as
 before. When C fails (checksum, short read, decode), it calls `_fallback`, which does the read
 the Python way on the trio thread (logging, counting, replicas, EIO) and C replies with that.
+Decoded zstd frames read in part are kept in C (`_shim_fcache.c`, up to the daemon's
+`FANSTORE_CACHE_BYTES`) and, after a buffered READ, pushed into the kernel's page cache
+(`_shim_push.c`); `counts` reports both (`c_frame_*`).
 """
 
 from __future__ import annotations
@@ -81,11 +84,13 @@ class _Fallback:
 _enabled = False
 
 
-def enable(ns: Namespace, store: BlobStore, threads: int, inline_max: int) -> bool:
+def enable(ns: Namespace, store: BlobStore, threads: int, inline_max: int,
+           frame_cache: int = 0, push: bool = False) -> bool:
     """Hold the entry columns (`_fastclose.hold_dataset`) and the blobs, and patch READ
     (`threads` reader threads; READs of at most `inline_max` bytes first tried from the page
-    cache on the FUSE thread). Before pyfuse3.init; serving starts at `start`. False (one log
-    line) without the shim."""
+    cache on the FUSE thread; decoded zstd frames kept up to `frame_cache` bytes, and with
+    `push` stored in the kernel's page cache after a buffered READ of part of one). Before
+    pyfuse3.init; serving starts at `start`. False (one log line) without the shim."""
     global _enabled
     shim = _fastclose._shim
     if shim is None or not hasattr(shim, "fast_read"):
@@ -95,6 +100,8 @@ def enable(ns: Namespace, store: BlobStore, threads: int, inline_max: int) -> bo
         _fastclose.hold_dataset(ns.m)
         hold_blobs(store)
         shim.fast_read(threads, inline_max)
+        if hasattr(shim, "frame_cache"):
+            shim.frame_cache(frame_cache, push)
     except (ValueError, TypeError, BufferError, OSError) as err:
         log.warning("dataset reads go through Python: %s", err)
         return False
@@ -117,12 +124,23 @@ def start(read: Callable[[int, int, int], Awaitable[bytes]]) -> bool:
     return True
 
 
+FRAME_COUNTS = ("c_frame_hits", "c_frame_misses", "c_frame_evictions", "c_frame_bytes",
+                "c_frame_entries", "c_frame_budget", "c_frame_pushes", "c_frame_push_bytes",
+                "c_frame_push_fails", "c_frame_push_drops")
+
+
 def counts() -> dict[str, int]:
     """READs the shim answered: `c_reads`, `c_read_bytes`, `c_read_inline` (from the page cache
-    on the FUSE thread), `c_read_fallbacks` (handed to Python after an error in C)."""
+    on the FUSE thread), `c_read_fallbacks` (handed to Python after an error in C); the frame
+    cache's `c_frame_*` (hits, misses: lookups of part of a zstd frame; evictions; bytes and
+    entries kept; budget; frames pushed to the page cache, their bytes, pushes the kernel
+    refused, pushes dropped with the queue full)."""
     shim = _fastclose._shim
     if shim is None or not hasattr(shim, "read_counts"):
         return {}
     reads, nbytes, inline, fallbacks = shim.read_counts()
-    return {"c_reads": int(reads), "c_read_bytes": int(nbytes), "c_read_inline": int(inline),
-            "c_read_fallbacks": int(fallbacks)}
+    out = {"c_reads": int(reads), "c_read_bytes": int(nbytes), "c_read_inline": int(inline),
+           "c_read_fallbacks": int(fallbacks)}
+    if hasattr(shim, "frame_counts"):
+        out.update(zip(FRAME_COUNTS, map(int, shim.frame_counts())))
+    return out

@@ -22,6 +22,8 @@
 | `FANSTORE_MPI_INLINE` | 1 | serve blob requests on the MPI thread (0: as trio tasks, the old path) |
 | `FANSTORE_CACHE_SIZE` | 50% | disk cache of remote blobs (`--cache-size`): `10G`, `50%` of free, `0` off |
 | `FANSTORE_CACHE_C` | 1 | the C shim's READ path reads blobs of the disk cache itself (0: through Python) |
+| `FANSTORE_FRAME_CACHE_C` | 1 | the C shim keeps decoded zstd frames, up to `FANSTORE_CACHE_BYTES` (0: off) |
+| `FANSTORE_FRAME_PUSH` | 1 | frames partly read (buffered) pushed into the kernel's page cache (0: not) |
 
 The daemon builds one `Settings` (`Settings.from_env()`) and hands it to what it composes;
 library code never reads the environment for these. A bad value is a one-line error.
@@ -56,6 +58,8 @@ _ENV = {
     "mpi_bell_idle": "FANSTORE_MPI_BELL_IDLE",
     "cache_size": "FANSTORE_CACHE_SIZE",
     "cache_c": "FANSTORE_CACHE_C",
+    "frame_cache_c": "FANSTORE_FRAME_CACHE_C",
+    "frame_push": "FANSTORE_FRAME_PUSH",
 }
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -109,6 +113,8 @@ class Settings:
     mpi_bell_idle: float = 0.05
     cache_size: str = "50%"
     cache_c: int = 1
+    frame_cache_c: int = 1
+    frame_push: int = 1
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

@@ -105,29 +105,78 @@ int fanstore_frames_decode(const struct fanstore_ftable *t, uint32_t k0, uint32_
 /* Whether frames k0..k1 are all stored raw. */
 int fanstore_frames_raw(const struct fanstore_ftable *t, uint32_t k0, uint32_t k1);
 
+/* A decoded, verified zstd frame kept by the frame cache (_shim_fcache.c): frame k of `blob`,
+ * `len` raw bytes from `at` bytes into the blob. Reference-counted: whoever got it from
+ * fanstore_fcache_get/_add gives it back with fanstore_fcache_put. */
+struct fanstore_frame {
+    uint64_t blob, at;
+    uint32_t k, len, cap; /* cap: bytes allocated for data (an entry may be reused) */
+    int refs, cached;     /* under the cache's lock */
+    struct fanstore_frame *hnext, *prev, *next;
+    char data[];
+};
+
+/* The budget in bytes (0: off, every entry dropped; counters reset); -1 without memory. */
+int fanstore_fcache_set(size_t bytes);
+int fanstore_fcache_on(void);
+void fanstore_fcache_clear(void); /* every entry dropped, the budget kept (blobs dropped) */
+/* Frame k of blob with a reference, counted as a hit; NULL when not kept (counted as a miss
+ * when `count_miss`: a lookup that will not decode on a miss is not one). */
+struct fanstore_frame *fanstore_fcache_get(uint64_t blob, uint32_t k, int count_miss);
+/* A new entry (refs 1, not kept) for the caller to fill and verify; NULL without memory. */
+struct fanstore_frame *fanstore_fcache_new(uint64_t blob, uint32_t k, uint64_t at, uint32_t len);
+/* Keep a filled and VERIFIED entry; returns the entry to use, with the caller's reference
+ * (`f`, or the one another thread kept first, `f` then released). Not kept (off, larger than
+ * the budget): `f` itself, still the caller's alone. */
+struct fanstore_frame *fanstore_fcache_add(struct fanstore_frame *f);
+void fanstore_fcache_put(struct fanstore_frame *f); /* NULL: nothing */
+/* `f` (held by the caller) no longer kept: the kernel's page cache has it now. */
+void fanstore_fcache_forget(struct fanstore_frame *f);
+/* hits, misses, evictions, bytes kept, entries, budget */
+void fanstore_fcache_counts(unsigned long long out[6]);
+
 /* A thread's buffers for fanstore_blob_range (grown as needed; free with
  * fanstore_scratch_free; zero-initialized). The last non-framed blob decoded stays there, so
- * many small reads of one blob (O_DIRECT) decode and verify it once. */
+ * many small reads of one blob (O_DIRECT) decode and verify it once. `frame`: the cached frame
+ * the last range came from, or with `want_frame` a copy of the raw frame (sub-block) it came
+ * from (a reference, released by the next fanstore_blob_range or fanstore_scratch_release), or
+ * NULL. */
 struct fanstore_scratch {
     char *stored, *raw;
     size_t stored_cap, raw_cap;
     uint64_t have; /* 1 + the blob whose verified raw bytes the buffers hold; 0: none */
+    struct fanstore_frame *frame;
+    int want_frame; /* set by the caller: a raw frame read in part comes as s->frame too */
 };
 void fanstore_scratch_free(struct fanstore_scratch *s);
+void fanstore_scratch_release(struct fanstore_scratch *s); /* the frame reference, if any */
 
 /* Raw bytes lo..hi (hi <= raw[blob]) of `blob`, held here, verified: a framed blob reads only
- * the frames covering them (one pread; raw frames checked in place), any other reads and
- * decodes the whole blob. On OK, *out points at the hi - lo bytes, inside `s` (valid until
- * its next use). OK, AGAIN (nowait), NOT_HELD, IO, CORRUPT or NOMEM. */
+ * the frames covering them (one pread; raw frames checked in place; a range inside one zstd
+ * frame but not all of it comes from the frame cache, the frame decoded, checked and kept
+ * there on a miss: s->frame), any other reads and decodes the whole blob. On OK, *out points
+ * at the hi - lo bytes, inside `s` or s->frame (valid until its next use). nowait
+ * (FANSTORE_NOWAIT): from the page cache only, AGAIN at once otherwise; FANSTORE_CHEAP also
+ * AGAIN for a zstd frame to decode (cached frames, raw frames and other blobs go on). OK,
+ * AGAIN, NOT_HELD, IO, CORRUPT or NOMEM. */
+#define FANSTORE_NOWAIT 1
+#define FANSTORE_CHEAP 2
 int fanstore_blob_range(uint64_t blob, uint64_t lo, uint64_t hi, int nowait,
                         struct fanstore_scratch *s, const char **out);
 
-void fanstore_tables_drop(void); /* every cached frame table released (drop_blobs) */
+void fanstore_tables_drop(void); /* every frame table and cached frame released (drop_blobs) */
+
+/* _shim_push.c: store a cached frame of dataset inode `ino`, at file offset `off`, in the
+ * kernel's page cache from the push thread; takes over the caller's reference to `f`. */
+void fanstore_push(uint64_t ino, uint64_t off, struct fanstore_frame *f);
+int fanstore_push_on(void);
 
 #ifdef Py_PYTHON_H /* the module's functions, for _noflush.c's method table */
 PyObject *fanstore_py_hold_blobs(PyObject *self, PyObject *args);
 PyObject *fanstore_py_drop_blobs(PyObject *self, PyObject *unused);
 PyObject *fanstore_py_blob_read(PyObject *self, PyObject *args);
+PyObject *fanstore_py_frame_cache(PyObject *self, PyObject *args);   /* _shim_push.c */
+PyObject *fanstore_py_frame_counts(PyObject *self, PyObject *unused); /* _shim_push.c */
 
 #define FANSTORE_BLOBS_METHODS                                                                   \
     {"hold_blobs", fanstore_py_hold_blobs, METH_VARARGS,                                         \
@@ -137,7 +186,13 @@ PyObject *fanstore_py_blob_read(PyObject *self, PyObject *args);
      "drop_blobs(): release the blob columns, close the local copies (no read in flight)"},      \
     {"blob_read", fanstore_py_blob_read, METH_VARARGS,                                           \
      "blob_read(blob, lo, hi): bytes lo..hi of a held blob, verified in C (tests; raises "       \
-     "OSError with the outcome)"},
+     "OSError with the outcome)"},                                                             \
+    {"frame_cache", fanstore_py_frame_cache, METH_VARARGS,                                       \
+     "frame_cache(budget, push): decoded zstd frames kept in C up to budget bytes (0: off); "    \
+     "push: partly read frames stored in the kernel's page cache"},                              \
+    {"frame_counts", fanstore_py_frame_counts, METH_NOARGS,                                      \
+     "frame_counts(): (hits, misses, evictions, bytes, entries, budget, pushes, pushed bytes, "  \
+     "failed pushes, dropped pushes)"},
 #endif
 
 #endif

@@ -184,6 +184,8 @@ int fanstore_cache_blob_range(uint64_t blob, uint64_t lo, uint64_t hi, int nowai
                               struct fanstore_scratch *s, const char **out) {
     if (fanstore_blob_held(blob))
         return fanstore_blob_range(blob, lo, hi, nowait, s, out);
+    s->have = 0; /* s->raw is about to hold this entry: no longer the blob `have` names */
+    fanstore_scratch_release(s);
     size_t n;
     switch (fanstore_cache_range(blob, lo, hi, nowait, &s->raw, &s->raw_cap, out, &n)) {
     case FANSTORE_CACHE_HIT:

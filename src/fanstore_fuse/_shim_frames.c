@@ -169,6 +169,7 @@ void fanstore_table_put(const struct fanstore_ftable *ct) {
 }
 
 void fanstore_tables_drop(void) {
+    fanstore_fcache_clear(); /* frames are keyed by blob id: another dataset may come */
     for (int i = 0; i < TABLE_SLOTS; i++) {
         struct fanstore_ftable *t = tables[i];
         tables[i] = NULL;
@@ -275,10 +276,53 @@ static int grow(char **p, size_t *cap, size_t n) {
     return 1;
 }
 
+void fanstore_scratch_release(struct fanstore_scratch *s) {
+    fanstore_fcache_put(s->frame);
+    s->frame = NULL;
+}
+
 void fanstore_scratch_free(struct fanstore_scratch *s) {
+    fanstore_scratch_release(s);
     free(s->stored);
     free(s->raw);
     memset(s, 0, sizeof(*s));
+}
+
+/* Bytes lo..hi of zstd frame k (not all of it) through the frame cache: a kept frame, or the
+ * frame read, decoded, checked and kept (s->frame holds it either way). */
+static int cached_frame(uint64_t blob, const struct fanstore_ftable *t, uint32_t k, uint64_t lo,
+                        int nowait, struct fanstore_scratch *s, const char **out) {
+    uint64_t at = (uint64_t)k * t->frame_size;
+    struct fanstore_frame *f = fanstore_fcache_get(blob, k, nowait != FANSTORE_CHEAP);
+    if (f == NULL) {
+        if (nowait == FANSTORE_CHEAP)
+            return FANSTORE_BLOB_AGAIN;
+        uint64_t rel = t->offsets[k], n = t->offsets[k + 1] - rel;
+        if (!grow(&s->stored, &s->stored_cap, n))
+            return FANSTORE_BLOB_NOMEM;
+        int r = fanstore_blob_pread(blob, rel, n, s->stored, nowait);
+        if (r != FANSTORE_BLOB_OK)
+            return r;
+        if ((f = fanstore_fcache_new(blob, k, at, fanstore_frame_raw_size(t, k))) == NULL)
+            return FANSTORE_BLOB_NOMEM;
+        if ((r = fanstore_frames_decode(t, k, k, s->stored, f->data)) != FANSTORE_BLOB_OK) {
+            fanstore_fcache_put(f); /* never kept, never seen */
+            return r;
+        }
+        f = fanstore_fcache_add(f);
+    }
+    s->frame = f;
+    *out = f->data + (lo - at);
+    return FANSTORE_BLOB_OK;
+}
+
+/* A frame object (not kept) holding a copy of `n` checked raw bytes; NULL without memory. */
+static struct fanstore_frame *frame_copy(uint64_t blob, uint32_t k, uint64_t at, const char *src,
+                                         uint32_t n) {
+    struct fanstore_frame *f = fanstore_fcache_new(blob, k, at, n);
+    if (f != NULL)
+        memcpy(f->data, src, n);
+    return f;
 }
 
 static int framed_range(uint64_t blob, uint64_t lo, uint64_t hi, int nowait,
@@ -289,16 +333,27 @@ static int framed_range(uint64_t blob, uint64_t lo, uint64_t hi, int nowait,
         return r;
     s->have = 0;
     uint32_t k0 = (uint32_t)(lo / t->frame_size), k1 = (uint32_t)((hi - 1) / t->frame_size);
+    uint64_t first_raw = (uint64_t)k0 * t->frame_size;
+    int part = k0 == k1 && hi - lo < fanstore_frame_raw_size(t, k0);
+    if (part && t->zstd[k0] && fanstore_fcache_on()) {
+        r = cached_frame(blob, t, k0, lo, nowait, s, out);
+        fanstore_table_put(t);
+        return r;
+    }
     uint64_t rel = t->offsets[k0], n = t->offsets[k1 + 1] - rel;
     int raw = fanstore_frames_raw(t, k0, k1);
-    uint64_t first_raw = (uint64_t)k0 * t->frame_size;
-    if (!grow(&s->stored, &s->stored_cap, n) ||
+    if (!raw && nowait == FANSTORE_CHEAP)
+        r = FANSTORE_BLOB_AGAIN; /* frames to decode: not on the FUSE thread when others wait */
+    else if (!grow(&s->stored, &s->stored_cap, n) ||
         (!raw && !grow(&s->raw, &s->raw_cap, (size_t)(k1 - k0 + 1) * t->frame_size)))
         r = FANSTORE_BLOB_NOMEM;
     else if ((r = fanstore_blob_pread(blob, rel, n, s->stored, nowait)) == FANSTORE_BLOB_OK &&
              (r = fanstore_frames_decode(t, k0, k1, s->stored, raw ? NULL : s->raw)) ==
-                 FANSTORE_BLOB_OK)
+                 FANSTORE_BLOB_OK) {
         *out = (raw ? s->stored : s->raw) + (lo - first_raw);
+        if (part && raw && s->want_frame) /* the checked sub-block, for the page cache */
+            s->frame = frame_copy(blob, k0, first_raw, s->stored, fanstore_frame_raw_size(t, k0));
+    }
     fanstore_table_put(t);
     return r;
 }
@@ -306,6 +361,7 @@ static int framed_range(uint64_t blob, uint64_t lo, uint64_t hi, int nowait,
 int fanstore_blob_range(uint64_t blob, uint64_t lo, uint64_t hi, int nowait,
                         struct fanstore_scratch *s, const char **out) {
     const struct fanstore_blobs *b = &fanstore_blobs;
+    fanstore_scratch_release(s);
     if (!fanstore_blob_held(blob))
         return FANSTORE_BLOB_NOT_HELD;
     if (lo >= hi || hi > b->raw[blob])
