@@ -19,12 +19,14 @@
  * EIO. The requester verifies (the manifest's xxh3, every frame's): bytes that fail it never
  * reach a reader, and the request goes back to Python (replicas, then DEST, then EIO).
  *
- * Sending: a request is sent by the thread that makes the call (the FUSE thread of a READ;
- * MPI_THREAD_MULTIPLE), a reply read from the page cache by the remote thread, a reply read
- * from the disk by the worker that read it; each rings the peer's bell after its Isend. A
- * rendezvous send (the receiver waits for the sender's progress) is tested after 20 us, then
- * at doubling intervals up to 1 ms: by the worker for up to 2 ms, then by the remote thread.
- * FANSTORE_CREMOTE_DIRECT=0: every send by the remote thread, handed over through an eventfd.
+ * Sending: every send by the remote thread, handed over through an eventfd (the default).
+ * FANSTORE_CREMOTE_DIRECT=1: a request is sent by the thread that makes the call (the FUSE
+ * thread of a READ; MPI_THREAD_MULTIPLE), a reply read from the disk by the worker that read
+ * it; each rings the peer's bell after its Isend. A rendezvous send (the receiver waits for the
+ * sender's progress) is tested after 20 us, then at doubling intervals up to 1 ms: by the
+ * worker for up to 2 ms, then by the remote thread. Off by default: with it, a reader hung
+ * after a peer was SIGKILLed under CPU load (test_rendezvous's sigkill test, 2 of 2 runs with
+ * 4 CPU hogs; it passed with it off): a FUSE thread must never wait inside MPI.
  *
  * Waiting: the thread sleeps in ppoll on a UDP socket (a doorbell: a sender rings it after
  * each Isend, addresses exchanged with an Iallgather on the new communicator, as

@@ -11,7 +11,7 @@
 
 struct fsr_mpi fsr_mpi;
 double fsr_idle = 0.05;
-int fsr_direct = 1;
+int fsr_direct = 0;
 
 const char *fsr_find_mpi(const char *path) {
     void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
@@ -122,8 +122,8 @@ void fsr_send_request(const struct call *proto, uint64_t id, struct fsr_header *
 }
 
 void fsr_read_knobs(void) {
-    const char *direct = getenv("FANSTORE_CREMOTE_DIRECT"); /* 0: every send by the remote thread */
-    fsr_direct = direct == NULL || strcmp(direct, "0") != 0;
+    const char *direct = getenv("FANSTORE_CREMOTE_DIRECT"); /* 1: sends by their own thread */
+    fsr_direct = direct != NULL && strcmp(direct, "1") == 0;
     const char *idle = getenv("FANSTORE_MPI_BELL_IDLE"); /* as the Python MPI thread's */
     fsr_idle = idle != NULL && atof(idle) > 0 ? atof(idle) : 0.05;
 }
