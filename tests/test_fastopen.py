@@ -4,6 +4,7 @@ opens with write intent, written files and the kernel's permission checks behave
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib.util
 import os
@@ -58,14 +59,26 @@ def _ops(m, op: str, inodes: set[int]) -> int:
                if int(ino) in inodes)
 
 
-@pytest.mark.timeout(120)
-def test_dataset_opens_releases_and_getattrs_are_answered_in_c(tmp_path, state_dir):
+@contextlib.contextmanager
+def _debug_mount(tmp_path: Path, state_dir):
+    """A `--debug` mount of a fresh _tree: (mount, source dir, {rel: bytes})."""
     _need_shim()
     src = tmp_path / "src"
     files = _tree(src)
     dest = prep_cli(src, tmp_path / "dest")
     with mounted(dest, tmp_path / "mnt", state_dir, local=tmp_path / "local",
                  extra_args=["--debug"]) as m:
+        yield m, src, files
+
+
+def _released(m, n: int) -> dict[str, int]:
+    """The shim's counters once `n` RELEASEs were answered in C (they are asynchronous)."""
+    return _until(lambda: (lambda c: c if c["c_releases"] >= n else None)(_shim(m))) or _shim(m)
+
+
+@pytest.mark.timeout(120)
+def test_dataset_opens_releases_and_getattrs_are_answered_in_c(tmp_path, state_dir):
+    with _debug_mount(tmp_path, state_dir) as (m, src, files):
         assert "dataset opens in C: True" in m.log_text()
         for _ in range(3):  # cold, then warm twice: bytes and attributes always the source's
             for rel, body in files.items():
@@ -76,7 +89,7 @@ def test_dataset_opens_releases_and_getattrs_are_answered_in_c(tmp_path, state_d
         assert (m.path / "d" / "link").read_bytes() == files["d/f01"]
         inodes = {os.stat(m.path / rel).st_ino for rel in files}
         n = 3 * len(files) + 1  # and the read through the symlink
-        c = _until(lambda: (lambda c: c if c["c_releases"] >= n else None)(_shim(m))) or _shim(m)
+        c = _released(m, n)
         assert c["c_opens"] == n and c["c_releases"] == n, c
         assert c["c_lingered"] > 0, c  # answered in the shim's request loop, not via trio
         # every OPEN and RELEASE of these files reached the shim, none Operations
@@ -92,16 +105,11 @@ def test_cold_lookups_of_dataset_names_stay_in_the_request_loop(tmp_path, state_
     """A fresh mount looks every name up: LOOKUP is answered in C (_shim_readdir.c) and, since
     the sixth session, inside the request loop too, as is the IOCTL of Python's isatty(), so a
     cold read of a file (LOOKUP, OPEN, IOCTL, READ, RELEASE) never goes back to trio."""
-    _need_shim()
-    src = tmp_path / "src"
-    files = _tree(src)
-    dest = prep_cli(src, tmp_path / "dest")
-    with mounted(dest, tmp_path / "mnt", state_dir, local=tmp_path / "local",
-                 extra_args=["--debug"]) as m:
+    with _debug_mount(tmp_path, state_dir) as (m, src, files):
         for rel, body in files.items():
             assert (m.path / rel).read_bytes() == body, rel
         n = len(files)
-        c = _until(lambda: (lambda c: c if c["c_releases"] >= n else None)(_shim(m))) or _shim(m)
+        c = _released(m, n)
         log = m.log_text()
         assert len(re.findall(r"opcode: LOOKUP \(1\)", log)) >= n  # fresh mount
         # read_bytes() opens buffered: Python asks isatty(), an IOCTL libfuse answers (ENOSYS)
