@@ -33,7 +33,7 @@ demo: $(STAMP)
 	$(PY) scripts/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=20
 
 # POSIX conformance of a written directory (issue 13): ok / planned per directory, and the bar
 # (>= 95% ok). Root, /dev/fuse, autotools (installed with apt when missing). About 10 min.
