@@ -184,7 +184,7 @@ def _mount(cfg: MountConfig, m: _Mounted, view: MountView, settings: Settings) -
     if settings.fast_read and m.store is not None:  # READs held here in C (Operations.init starts)
         fastread.enable(view.node.ns, m.store, settings.fast_read_threads, settings.fast_read_inline,
                         settings.cache_bytes if settings.frame_cache_c else 0,
-                        bool(settings.frame_push))
+                        bool(settings.frame_push), bool(settings.subblock_cache))
     try:
         pyfuse3.init(Operations(view), m.mountpoint, opts)
     except RuntimeError as e:

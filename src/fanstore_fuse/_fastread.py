@@ -85,11 +85,12 @@ _enabled = False
 
 
 def enable(ns: Namespace, store: BlobStore, threads: int, inline_max: int,
-           frame_cache: int = 0, push: bool = False) -> bool:
+           frame_cache: int = 0, push: bool = False, subblocks: bool = True) -> bool:
     """Hold the entry columns (`_fastclose.hold_dataset`) and the blobs, and patch READ
     (`threads` reader threads; READs of at most `inline_max` bytes first tried from the page
-    cache on the FUSE thread; decoded zstd frames kept up to `frame_cache` bytes, and with
-    `push` stored in the kernel's page cache after a buffered READ of part of one). Before
+    cache on the FUSE thread; decoded zstd frames, and with `subblocks` raw sub-blocks, kept
+    up to `frame_cache` bytes, and with `push` stored in the kernel's page cache after a
+    buffered READ of part of one). Before
     pyfuse3.init; serving starts at `start`. False (one log line) without the shim."""
     global _enabled
     shim = _fastclose._shim
@@ -101,7 +102,7 @@ def enable(ns: Namespace, store: BlobStore, threads: int, inline_max: int,
         hold_blobs(store)
         shim.fast_read(threads, inline_max)
         if hasattr(shim, "frame_cache"):
-            shim.frame_cache(frame_cache, push)
+            shim.frame_cache(frame_cache, push, subblocks)
     except (ValueError, TypeError, BufferError, OSError) as err:
         log.warning("dataset reads go through Python: %s", err)
         return False

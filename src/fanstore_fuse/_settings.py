@@ -23,6 +23,7 @@
 | `FANSTORE_CACHE_SIZE` | 50% | disk cache of remote blobs (`--cache-size`): `10G`, `50%` of free, `0` off |
 | `FANSTORE_CACHE_C` | 1 | the C shim's READ path reads blobs of the disk cache itself (0: through Python) |
 | `FANSTORE_FRAME_CACHE_C` | 1 | the C shim keeps decoded zstd frames, up to `FANSTORE_CACHE_BYTES` (0: off) |
+| `FANSTORE_SUBBLOCK_CACHE` | 1 | that frame cache keeps raw 16 KiB sub-blocks read in part too (0: zstd frames only) |
 | `FANSTORE_FRAME_PUSH` | 1 | frames partly read (buffered) pushed into the kernel's page cache (0: not) |
 
 The daemon builds one `Settings` (`Settings.from_env()`) and hands it to what it composes;
@@ -60,6 +61,7 @@ _ENV = {
     "cache_c": "FANSTORE_CACHE_C",
     "frame_cache_c": "FANSTORE_FRAME_CACHE_C",
     "frame_push": "FANSTORE_FRAME_PUSH",
+    "subblock_cache": "FANSTORE_SUBBLOCK_CACHE",
 }
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -115,6 +117,7 @@ class Settings:
     cache_c: int = 1
     frame_cache_c: int = 1
     frame_push: int = 1
+    subblock_cache: int = 1
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

@@ -105,13 +105,15 @@ int fanstore_frames_decode(const struct fanstore_ftable *t, uint32_t k0, uint32_
 /* Whether frames k0..k1 are all stored raw. */
 int fanstore_frames_raw(const struct fanstore_ftable *t, uint32_t k0, uint32_t k1);
 
-/* A decoded, verified zstd frame kept by the frame cache (_shim_fcache.c): frame k of `blob`,
+/* A verified frame kept by the frame cache (_shim_fcache.c), a decoded zstd frame or a raw
+ * sub-block: frame k of `blob`,
  * `len` raw bytes from `at` bytes into the blob. Reference-counted: whoever got it from
  * fanstore_fcache_get/_add gives it back with fanstore_fcache_put. */
 struct fanstore_frame {
     uint64_t blob, at;
     uint32_t k, len, cap; /* cap: bytes allocated for data (an entry may be reused) */
     int refs, cached;     /* under the cache's lock */
+    int used;             /* a hit since it last came to the front of the list (its lock) */
     struct fanstore_frame *hnext, *prev, *next;
     char data[];
 };
@@ -120,9 +122,15 @@ struct fanstore_frame {
 int fanstore_fcache_set(size_t bytes);
 int fanstore_fcache_on(void);
 void fanstore_fcache_clear(void); /* every entry dropped, the budget kept (blobs dropped) */
-/* Frame k of blob with a reference, counted as a hit; NULL when not kept (counted as a miss
- * when `count_miss`: a lookup that will not decode on a miss is not one). */
-struct fanstore_frame *fanstore_fcache_get(uint64_t blob, uint32_t k, int count_miss);
+/* Frame k of blob with a reference, counted as a hit; NULL when not kept. A miss is counted
+ * by fanstore_fcache_miss once the frame's bytes were read (a nowait try that gives up is
+ * not one). */
+struct fanstore_frame *fanstore_fcache_get(uint64_t blob, uint32_t k);
+void fanstore_fcache_miss(void);
+/* Whether raw sub-blocks read in part are kept too (O_DIRECT readers: their other pages then
+ * skip the pread and the xxh3); on by default. */
+int fanstore_fcache_subblocks(void);
+void fanstore_fcache_set_subblocks(int on);
 /* A new entry (refs 1, not kept) for the caller to fill and verify; NULL without memory. */
 struct fanstore_frame *fanstore_fcache_new(uint64_t blob, uint32_t k, uint64_t at, uint32_t len);
 /* Keep a filled and VERIFIED entry; returns the entry to use, with the caller's reference
@@ -152,9 +160,9 @@ void fanstore_scratch_free(struct fanstore_scratch *s);
 void fanstore_scratch_release(struct fanstore_scratch *s); /* the frame reference, if any */
 
 /* Raw bytes lo..hi (hi <= raw[blob]) of `blob`, held here, verified: a framed blob reads only
- * the frames covering them (one pread; raw frames checked in place; a range inside one zstd
- * frame but not all of it comes from the frame cache, the frame decoded, checked and kept
- * there on a miss: s->frame), any other reads and decodes the whole blob. On OK, *out points
+ * the frames covering them (one pread; raw frames checked in place; a range inside one frame
+ * but not all of it comes from the frame cache, the frame read, decoded when zstd, checked and
+ * kept there on a miss: s->frame), any other reads and decodes the whole blob. On OK, *out points
  * at the hi - lo bytes, inside `s` or s->frame (valid until its next use). nowait
  * (FANSTORE_NOWAIT): from the page cache only, AGAIN at once otherwise; FANSTORE_CHEAP also
  * AGAIN for a zstd frame to decode (cached frames, raw frames and other blobs go on). OK,
@@ -188,8 +196,8 @@ PyObject *fanstore_py_frame_counts(PyObject *self, PyObject *unused); /* _shim_p
      "blob_read(blob, lo, hi): bytes lo..hi of a held blob, verified in C (tests; raises "       \
      "OSError with the outcome)"},                                                             \
     {"frame_cache", fanstore_py_frame_cache, METH_VARARGS,                                       \
-     "frame_cache(budget, push): decoded zstd frames kept in C up to budget bytes (0: off); "    \
-     "push: partly read frames stored in the kernel's page cache"},                              \
+     "frame_cache(budget, push, subblocks=True): decoded zstd frames (and raw sub-blocks) kept " \
+     "in C up to budget bytes (0: off); push: partly read frames stored in the page cache"},    \
     {"frame_counts", fanstore_py_frame_counts, METH_NOARGS,                                      \
      "frame_counts(): (hits, misses, evictions, bytes, entries, budget, pushes, pushed bytes, "  \
      "failed pushes, dropped pushes)"},

@@ -288,24 +288,30 @@ void fanstore_scratch_free(struct fanstore_scratch *s) {
     memset(s, 0, sizeof(*s));
 }
 
-/* Bytes lo..hi of zstd frame k (not all of it) through the frame cache: a kept frame, or the
- * frame read, decoded, checked and kept (s->frame holds it either way). */
+/* Bytes lo..hi of frame k (not all of it) through the frame cache: a kept frame, or the frame
+ * read, decoded (zstd) or taken as it is (a raw sub-block: read straight into the entry),
+ * checked and kept (s->frame holds it either way). A zstd frame is not decoded under
+ * FANSTORE_CHEAP; a raw one is read there from the page cache only (nowait). */
 static int cached_frame(uint64_t blob, const struct fanstore_ftable *t, uint32_t k, uint64_t lo,
                         int nowait, struct fanstore_scratch *s, const char **out) {
     uint64_t at = (uint64_t)k * t->frame_size;
-    struct fanstore_frame *f = fanstore_fcache_get(blob, k, nowait != FANSTORE_CHEAP);
+    struct fanstore_frame *f = fanstore_fcache_get(blob, k);
     if (f == NULL) {
-        if (nowait == FANSTORE_CHEAP)
+        int z = t->zstd[k];
+        if (z && nowait == FANSTORE_CHEAP)
             return FANSTORE_BLOB_AGAIN;
         uint64_t rel = t->offsets[k], n = t->offsets[k + 1] - rel;
-        if (!grow(&s->stored, &s->stored_cap, n))
+        if (z && !grow(&s->stored, &s->stored_cap, n))
             return FANSTORE_BLOB_NOMEM;
-        int r = fanstore_blob_pread(blob, rel, n, s->stored, nowait);
-        if (r != FANSTORE_BLOB_OK)
-            return r;
         if ((f = fanstore_fcache_new(blob, k, at, fanstore_frame_raw_size(t, k))) == NULL)
             return FANSTORE_BLOB_NOMEM;
-        if ((r = fanstore_frames_decode(t, k, k, s->stored, f->data)) != FANSTORE_BLOB_OK) {
+        char *src = z ? s->stored : f->data; /* a raw frame is checked where it lands */
+        int r = fanstore_blob_pread(blob, rel, n, src, nowait);
+        if (r == FANSTORE_BLOB_OK) {
+            fanstore_fcache_miss();
+            r = fanstore_frames_decode(t, k, k, src, z ? f->data : NULL);
+        }
+        if (r != FANSTORE_BLOB_OK) {
             fanstore_fcache_put(f); /* never kept, never seen */
             return r;
         }
@@ -335,7 +341,7 @@ static int framed_range(uint64_t blob, uint64_t lo, uint64_t hi, int nowait,
     uint32_t k0 = (uint32_t)(lo / t->frame_size), k1 = (uint32_t)((hi - 1) / t->frame_size);
     uint64_t first_raw = (uint64_t)k0 * t->frame_size;
     int part = k0 == k1 && hi - lo < fanstore_frame_raw_size(t, k0);
-    if (part && t->zstd[k0] && fanstore_fcache_on()) {
+    if (part && fanstore_fcache_on() && (t->zstd[k0] || fanstore_fcache_subblocks())) {
         r = cached_frame(blob, t, k0, lo, nowait, s, out);
         fanstore_table_put(t);
         return r;

@@ -112,16 +112,18 @@ void fuse_session_destroy(struct fuse_session *se) {
         real(se);
 }
 
-/* frame_cache(budget, push): the frame cache's budget in bytes (0: off) and whether frames go
- * to the page cache (needs the cache). Before the session serves, or between tests. */
+/* frame_cache(budget, push, subblocks=1): the frame cache's budget in bytes (0: off), whether
+ * frames go to the page cache (needs the cache) and whether raw sub-blocks are kept too.
+ * Before the session serves, or between tests. */
 PyObject *fanstore_py_frame_cache(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long budget;
-    int push;
-    if (!PyArg_ParseTuple(args, "Kp", &budget, &push))
+    int push, subblocks = 1;
+    if (!PyArg_ParseTuple(args, "Kp|p", &budget, &push, &subblocks))
         return NULL;
     if (fanstore_fcache_set((size_t)budget) != 0)
         return PyErr_NoMemory();
+    fanstore_fcache_set_subblocks(subblocks);
     if (push && notify_store == NULL)
         notify_store = (notify_store_t)fanstore_libfuse_symbol("fuse_lowlevel_notify_store");
     if (push && notify_store == NULL) {
