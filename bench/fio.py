@@ -6,7 +6,10 @@ iodepth 16), on an incompressible file (stored raw: sub-blocks) and a compressib
 and the page cache is dropped. Bars (issue 11): randread 4k >= 0.5x ext4, seq 1M >= 1.0x
 squashfuse. `python -m bench.fio --quick` (320 MiB files, 4 s jobs) or `--full` (15 s jobs);
 `--ab KEY=VALUE[,K2=V2]` adds fanstore-fuse mounted with that daemon environment (e.g.
-`FANSTORE_FRAME_PUSH=0`), on the same prepped copy, as another column.
+`FANSTORE_FRAME_PUSH=0`), on the same prepped copy, as another column; `--runtime S` sets the
+random jobs' length, `--frame-kib K` preps fanstore-fuse with that frame size. Each FUSE
+daemon's CPU time (user+sys) per fio I/O is printed below the table: wall-clock figures on a
+shared machine swing with its load, the CPU a request costs much less.
 """
 
 from __future__ import annotations
@@ -25,7 +28,15 @@ import numpy as np
 
 from ._anchors import SquashFuse, System
 from ._fanstore import FanStore
-from ._util import drop_caches, drop_caches_works, install_signal_handlers, log, teardown_all
+from ._util import (
+    drop_caches,
+    drop_caches_works,
+    install_signal_handlers,
+    log,
+    pids_with_arg,
+    teardown_all,
+)
+from .cost import cpu_seconds
 
 MiB = 1 << 20
 # Files larger than the daemon's default blob cache (256 MiB), as in issue 11.
@@ -60,18 +71,26 @@ def make_files(src: Path, size: int, seed: int = 11) -> None:
     stamp.write_text(f"{size} {seed}")
 
 
-class NoFrames(FanStore):
+class Framed(FanStore):
+    """fanstore-fuse prepped with `--frame-kib frame_kib` (None: prep's default)."""
+
+    frame_kib: int | None = None
+
+    def _run(self, *args: str, timeout: float = 1800, check: bool = True):
+        if args and args[0] == "prep" and self.frame_kib is not None:
+            args = (*args, "--frame-kib", str(self.frame_kib))
+        return super()._run(*args, timeout=timeout, check=check)
+
+
+class NoFrames(Framed):
     """fanstore-fuse prepped without frames (--frame-kib 0): whole 4 MiB chunks, as before."""
+
+    frame_kib = 0
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.key, self.label = "fanstore-noframes", "fanstore-fuse, no frames"
         self.dest = self.work / "fanstore-noframes-dest"
-
-    def _run(self, *args: str, timeout: float = 1800, check: bool = True):
-        if args and args[0] == "prep":
-            args = (*args, "--frame-kib", "0")
-        return super()._run(*args, timeout=timeout, check=check)
 
 
 class WithEnv(FanStore):
@@ -107,7 +126,7 @@ def run_fio(path: str, job: str, size: int, runtime: int) -> dict:
         return {"error": (cp.stderr or cp.stdout).strip()[-300:], "cmd": " ".join(args)}
     r = json.loads(cp.stdout[cp.stdout.index("{"):])["jobs"][0]["read"]
     return {"iops": r["iops"], "MiB_s": r["bw_bytes"] / MiB, "lat_us": r["lat_ns"]["mean"] / 1e3,
-            "cmd": " ".join(args)}  # fmt: skip
+            "ios": r["total_ios"], "cmd": " ".join(args)}  # fmt: skip
 
 
 def measure(systems: list[System], size: int, runtime: int, files: list[str]) -> dict:
@@ -118,9 +137,12 @@ def measure(systems: list[System], size: int, runtime: int, files: list[str]) ->
                 try:
                     s.mount()  # a fresh FUSE daemon: its caches are cold too
                     drop_caches()
-                    t0 = time.perf_counter()
+                    pids = pids_with_arg(s.root) if s.is_fuse else []  # before fio names it
+                    c0, t0 = cpu_seconds(pids), time.perf_counter()
                     r = run_fio(os.path.join(s.root, FILES[fk]), job, size, runtime)
                     r["wall_s"] = time.perf_counter() - t0
+                    if pids and r.get("ios"):
+                        r["cpu_us_per_io"] = (cpu_seconds(pids) - c0) / r["ios"] * 1e6
                 except Exception as e:  # noqa: BLE001 - one failed job must not end the run
                     r = {"error": f"{type(e).__name__}: {str(e)[-300:]}"}
                 finally:
@@ -150,6 +172,10 @@ def report(res: dict, keys: list[str]) -> list[str]:
                 x = fs[unit] / ref[unit]
                 tail = f"   {x:.2f}x {base} (bar {bar}x: {'ok' if x >= bar else 'MISS'})"
             lines.append(f"{job:<15}" + "".join(cells) + tail)
+        cpu = [f"{job} " + ", ".join(f"{k} {by[k]['cpu_us_per_io']:.1f}" for k in keys
+                                     if "cpu_us_per_io" in by.get(k, {}))
+               for job, by in jobs.items()]  # fmt: skip
+        lines.append("daemon CPU us per fio I/O: " + "; ".join(cpu))
     return lines
 
 
@@ -161,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", default="ext4,squashfuse,fanstore1,fanstore-noframes")
     ap.add_argument("--files", default="rand,tensor")
     ap.add_argument("--level", type=int, default=3)
+    ap.add_argument("--runtime", type=int, default=None, help="random jobs' seconds")
+    ap.add_argument("--frame-kib", type=int, default=None, help="fanstore prep's frame size")
     ap.add_argument("--ab", action="append", default=[], metavar="KEY=VALUE[,K2=V2]",
                     help="also fanstore1 with this daemon environment (needs fanstore1)")
     ap.add_argument("--work", default=None, help="scratch dir (default: a fresh one in /tmp)")
@@ -168,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ap.parse_args(argv)
     mode = cfg.mode or "quick"
     size, runtime = MODES[mode]
+    runtime = cfg.runtime or runtime
     if not shutil.which("fio"):
         print("fio: n/a (not installed; `apt-get install fio` or scripts/install-deps.sh)")
         return 0
@@ -178,11 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(cfg.work or tempfile.mkdtemp(prefix="fanstore-fio-"))
     ds = SimpleNamespace(src=work / "src")
     make_files(ds.src, size)
-    kinds = {"ext4": Ext4, "squashfuse": SquashFuse, "fanstore1": FanStore,
+    kinds = {"ext4": Ext4, "squashfuse": SquashFuse, "fanstore1": Framed,
              "fanstore-noframes": NoFrames}  # fmt: skip
     systems = []
     for key in cfg.systems.split(","):
         s = kinds[key](ds, work, cfg.level)  # type: ignore[abstract]
+        if type(s) is Framed:
+            s.frame_kib = cfg.frame_kib
         if not s.available:
             log(f"{key}: n/a ({s.why})")
             continue

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _harness import mounted, prep_cli, status_ranks
-from test_framecache import _counts, _odirect, _shim
+from _harness import mounted, prep_cli
+from test_framecache import _counts, _odirect, _shim, _shim_counts
 
 from fanstore_fuse import _fastread
 from fanstore_fuse._blobcodec import RAW_FRAME_SIZE as SUB
@@ -157,11 +157,6 @@ def test_a_kept_copy_never_hides_a_corrupt_read(raw_dataset):
 # ---------------------------------------------------------------------------- real mounts
 
 
-def _shim_counts(mt) -> dict[str, int]:
-    (r,) = status_ranks(mt.status())
-    return r["fuse_shim"]
-
-
 @pytest.mark.mount
 @pytest.mark.timeout(180)
 def test_mounted_odirect_random_4k_reads_from_kept_sub_blocks(raw_dataset, tmp_path: Path,
@@ -186,7 +181,6 @@ def test_mounted_odirect_random_4k_reads_from_kept_sub_blocks(raw_dataset, tmp_p
 @pytest.mark.timeout(180)
 def test_mounted_corrupt_sub_block_gives_eio_after_a_kept_neighbour(raw_dataset, tmp_path: Path,
                                                                     state_dir: Path):
-    _shim()
     dest, data = raw_dataset
     store, blob = _blob(dest)
     store.close()

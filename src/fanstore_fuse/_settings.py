@@ -23,7 +23,7 @@
 | `FANSTORE_CACHE_SIZE` | 50% | disk cache of remote blobs (`--cache-size`): `10G`, `50%` of free, `0` off |
 | `FANSTORE_CACHE_C` | 1 | the C shim's READ path reads blobs of the disk cache itself (0: through Python) |
 | `FANSTORE_FRAME_CACHE_C` | 1 | the C shim keeps decoded zstd frames, up to `FANSTORE_CACHE_BYTES` (0: off) |
-| `FANSTORE_SUBBLOCK_CACHE` | 1 | that frame cache keeps raw 16 KiB sub-blocks read in part too (0: zstd frames only) |
+| `FANSTORE_SUBBLOCK_CACHE` | 1 | that cache keeps raw 16 KiB sub-blocks read in part too (0: not) |
 | `FANSTORE_FRAME_PUSH` | 1 | frames partly read (buffered) pushed into the kernel's page cache (0: not) |
 
 The daemon builds one `Settings` (`Settings.from_env()`) and hands it to what it composes;
