@@ -42,6 +42,7 @@ PyObject *fanstore_py_read_start(PyObject *self, PyObject *fallback);
 PyObject *fanstore_py_read_counts(PyObject *self, PyObject *unused);
 PyObject *fanstore_py_fuse_threads(PyObject *self, PyObject *args);        /* _shim_threads.c */
 PyObject *fanstore_py_fuse_thread_counts(PyObject *self, PyObject *unused);
+PyObject *fanstore_py_fuse_queued(PyObject *self, PyObject *unused);
 #endif
 
 #endif

@@ -286,3 +286,10 @@ PyObject *fanstore_py_fuse_thread_counts(PyObject *self, PyObject *unused) {
     return Py_BuildValue("(iKK)", running, __atomic_load_n(&answered, __ATOMIC_RELAXED),
                          __atomic_load_n(&handed, __ATOMIC_RELAXED));
 }
+
+/* fuse_queued(): whether a request waits in the queue for pyfuse3 (_fusequeue.waiting). */
+PyObject *fanstore_py_fuse_queued(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyBool_FromLong(fanstore_threads_queued());
+}
