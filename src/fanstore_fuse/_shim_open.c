@@ -110,7 +110,9 @@ static void getattr_in_c(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *
  * a reader's LOOKUP, OPEN, READ, RELEASE, GETATTR, LOOKUP... never return to trio. The first request C does not
  * answer is returned to pyfuse3 as usual; nothing arriving in time, LINGER_BATCH requests
  * answered in a row, or 1 ms spent here, returns -EINTR, on which pyfuse3 waits again (other
- * trio tasks run first). */
+ * trio tasks run first). With _shim_threads.c's request threads (FANSTORE_FUSE_THREADS) the
+ * requests come from their queue instead of /dev/fuse (fanstore_threads_pop, waiting on its
+ * eventfd): what reaches this thread then is what they could not answer, READs in C included. */
 struct in_header { /* struct fuse_in_header of <linux/fuse.h>: the kernel's ABI */
     uint32_t len, opcode;
     uint64_t unique, nodeid;

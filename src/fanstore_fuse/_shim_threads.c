@@ -3,8 +3,7 @@
  * A warm small file costs the daemon an OPEN and a RELEASE, both answered in C (_shim_open.c).
  * On pyfuse3's one FUSE thread each also cost a ppoll of /dev/fuse and trio's wake-up sockets,
  * the GIL released and taken back, and a look at trio's run queue: 35 us of CPU per warm file
- * against squashfuse_ll's 15 (a multi-threaded libfuse loop: each thread a blocking read(),
- * the answer, a writev), and 4 readers waited for that one thread.
+ * against squashfuse_ll's 15 (libfuse's loop: a blocking read(), the answer, a writev).
  *
  * With `fuse_threads(n)` (before pyfuse3.init), pyfuse3's call of fuse_session_fd (in init,
  * right after the mount) starts n threads ("fanstore-fuse0".."n-1") that read the session's
@@ -18,6 +17,11 @@
  * (fanstore_threads_pop). Every request is read once, by one thread, and either answered there
  * or queued once; the trio thread never reads /dev/fuse. READ stays on the trio thread
  * (_shim_read.c's inline path holds the GIL), where the request loop answers it in C as before.
+ * One thread is the default: with 4, every request woke a sleeping thread (a context switch)
+ * and they contended for the kernel's queue lock (10% of the samples in a spinlock slow path):
+ * 18-26 us of the daemon's CPU per open+close against 11-17 with one (docs/performance.md);
+ * squashfuse_ll, too, answered from one of its threads nearly always. A C answer never blocks,
+ * so one thread is never busy for long; more only help if that changes.
  *
  * A thread that reads an error other than EINTR/EAGAIN/ENOENT (ENODEV: unmounted) ends the
  * session as libfuse's loop would: the queue then says 0 (or -errno) to pyfuse3 forever. The
