@@ -8,6 +8,7 @@ external `fusermount3 -u`); FANSTORE_FUSE_THREADS=0 keeps pyfuse3's own loop."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import random
 import re
@@ -97,25 +98,39 @@ def _running(pid: int) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def _mount(tmp_path: Path, state_dir, threads: str, debug: bool = False):
+    """A default mount of a fresh _tree with FANSTORE_FUSE_THREADS=threads: (mount, files)."""
+    src = tmp_path / "src"
+    files = _tree(src)
+    dest = prep_cli(src, tmp_path / "dest")
+    with mounted(dest, tmp_path / "mnt", state_dir, local=tmp_path / "local",
+                 extra_args=["--debug"] if debug else [],
+                 env={"FANSTORE_FUSE_THREADS": threads} if threads else {}) as m:
+        yield m, files
+
+
+def _read_and_write(m, files: dict[str, bytes], readers: int, passes: int, rounds: int) -> None:
+    """`readers` threads read every file `passes` times while a writer writes `rounds` files."""
+    errors: list[str] = []
+    threads = _readers(m.path, files, readers, passes, errors) + [
+        _writer(m.path, files, rounds, errors)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not any(t.is_alive() for t in threads), "a reader or the writer hung"
+    assert errors == []
+
+
 def _uniques(log: str) -> collections.Counter:
     return collections.Counter(re.findall(r"unique: (\d+), opcode: ", log))
 
 
 @pytest.mark.timeout(240)
 def test_threads_answer_dataset_requests_while_files_are_written(tmp_path, state_dir):
-    src = tmp_path / "src"
-    files = _tree(src)
-    dest = prep_cli(src, tmp_path / "dest")
-    with mounted(dest, tmp_path / "mnt", state_dir, local=tmp_path / "local",
-                 extra_args=["--debug"], env={"FANSTORE_FUSE_THREADS": "4"}) as m:
-        errors: list[str] = []
-        threads = _readers(m.path, files, 4, 3, errors) + [_writer(m.path, files, 60, errors)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
-        assert not any(t.is_alive() for t in threads), "a reader or the writer hung"
-        assert errors == []
+    with _mount(tmp_path, state_dir, "4", debug=True) as (m, files):
+        _read_and_write(m, files, 4, 3, 60)
         c = _shim(m)
         assert c["c_fuse_threads"] == 4, c
         # the dataset's OPEN/RELEASE/LOOKUP/GETATTR on the threads; writes and the written
@@ -142,10 +157,7 @@ def test_threads_answer_dataset_requests_while_files_are_written(tmp_path, state
 def test_external_unmount_ends_the_daemon(tmp_path, state_dir):
     """`fusermount3 -u` from outside: the threads read ENODEV, pyfuse3's loop ends, the daemon
     exits by itself (no SIGKILL needed)."""
-    src = tmp_path / "src"
-    files = _tree(src)
-    dest = prep_cli(src, tmp_path / "dest")
-    with mounted(dest, tmp_path / "mnt", state_dir, local=tmp_path / "local") as m:
+    with _mount(tmp_path, state_dir, "") as (m, files):
         rel = sorted(files)[3]
         assert (m.path / rel).read_bytes() == files[rel]
         assert _shim(m)["c_fuse_threads"] == 1  # the default
@@ -162,18 +174,8 @@ def test_external_unmount_ends_the_daemon(tmp_path, state_dir):
 
 @pytest.mark.timeout(120)
 def test_threads_off_keeps_pyfuse3s_loop(tmp_path, state_dir):
-    src = tmp_path / "src"
-    files = _tree(src)
-    dest = prep_cli(src, tmp_path / "dest")
-    with mounted(dest, tmp_path / "mnt", state_dir, local=tmp_path / "local",
-                 env={"FANSTORE_FUSE_THREADS": "0"}) as m:
-        errors: list[str] = []
-        threads = _readers(m.path, files, 2, 2, errors) + [_writer(m.path, files, 12, errors)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(100)
-        assert errors == []
+    with _mount(tmp_path, state_dir, "0") as (m, files):
+        _read_and_write(m, files, 2, 2, 12)
         c = _shim(m)
         assert c["c_fuse_threads"] == 0 and c["c_thread_answered"] == 0, c
         assert c["c_opens"] >= 2 * 2 * len(files) and c["c_lingered"] > 0, c
