@@ -91,7 +91,7 @@ def test_dataset_opens_releases_and_getattrs_are_answered_in_c(tmp_path, state_d
         n = 3 * len(files) + 1  # and the read through the symlink
         c = _released(m, n)
         assert c["c_opens"] == n and c["c_releases"] == n, c
-        assert c["c_lingered"] > 0, c  # answered in the shim's request loop, not via trio
+        assert c["c_lingered"] + c["c_thread_answered"] > 0, c  # in C, not via trio
         # every OPEN and RELEASE of these files reached the shim, none Operations
         assert _ops(m, "OPEN", inodes) == c["c_opens"]
         assert _ops(m, "RELEASE", inodes) == c["c_releases"]
@@ -116,7 +116,9 @@ def test_cold_lookups_of_dataset_names_stay_in_the_request_loop(tmp_path, state_
         ioctls = len(re.findall(r"opcode: IOCTL \(39\)", log))
         assert ioctls >= n
         others = c["c_opens"] + c["c_releases"] + c["c_getattrs"] + c["c_reads"]
-        assert c["c_lingered"] >= others + n + ioctls, c  # and at least one LOOKUP per file
+        # in C on the request threads (_shim_threads.c) or in the trio thread's request loop
+        in_c = c["c_lingered"] + c["c_thread_answered"]
+        assert in_c >= others + n + ioctls, c  # and at least one LOOKUP per file
 
 
 @pytest.mark.timeout(120)

@@ -180,7 +180,8 @@ def _mount(cfg: MountConfig, m: _Mounted, view: MountView, settings: Settings) -
         enable_noflush()
     fast_open = settings.fast_open and fastopen.enable(view.node.ns, ENTRY_TIMEOUT,
                                                        settings.fuse_linger_us,
-                                                       settings.fuse_trio_total_us)
+                                                       settings.fuse_trio_total_us,
+                                                       settings.fuse_threads)
     if settings.fast_read and m.store is not None:  # READs held here in C (Operations.init starts)
         fastread.enable(view.node.ns, m.store, settings.fast_read_threads, settings.fast_read_inline,
                         settings.cache_bytes if settings.frame_cache_c else 0,

@@ -27,11 +27,13 @@ from ._namespace import Namespace
 log = logging.getLogger("fanstore_fuse.fastopen")
 
 
-def enable(ns: Namespace, timeout: float, linger_us: int = 0, trio_total_us: int = 5000) -> bool:
+def enable(ns: Namespace, timeout: float, linger_us: int = 0, trio_total_us: int = 5000,
+           threads: int = 0) -> bool:
     """Answer OPEN/RELEASE/GETATTR of the dataset's files in C, and (`linger_us` > 0) wait
     that long for the next request after each, without returning to trio (while trio is idle,
-    at most `trio_total_us` in a row); False when the shim is absent or refuses (one log
-    line)."""
+    at most `trio_total_us` in a row); with `threads` > 0, that many C threads read the
+    session's requests (`_shim_threads.c`), answer those C answers and queue the rest for
+    pyfuse3. False when the shim is absent or refuses (one log line)."""
     shim = _fastclose._shim
     if shim is None:
         log.info("dataset opens go through Python (%s)", _fastclose._why)
@@ -39,6 +41,8 @@ def enable(ns: Namespace, timeout: float, linger_us: int = 0, trio_total_us: int
     try:
         _fastclose.hold_dataset(ns.m)
         shim.fast_open(linger_us, timeout, trio_total_us)
+        if hasattr(shim, "fuse_threads"):
+            shim.fuse_threads(threads)
     except (ValueError, TypeError, BufferError, AttributeError) as err:
         log.warning("dataset opens go through Python: %s", err)
         return False
@@ -71,9 +75,12 @@ def counts() -> dict[str, int]:
         return {}
     opens, releases, getattrs, lingered, returns, busy = (
         shim.fast_counts() if hasattr(shim, "fast_counts") else (0,) * 6)
+    threads, on_threads, handed = (
+        shim.fuse_thread_counts() if hasattr(shim, "fuse_thread_counts") else (0,) * 3)
     return {"c_opens": int(opens), "c_releases": int(releases), "c_getattrs": int(getattrs),
             "c_lingered": int(lingered), "c_trio_returns": int(returns),
-            "c_trio_busy": int(busy),
+            "c_trio_busy": int(busy), "c_fuse_threads": int(threads),
+            "c_thread_answered": int(on_threads), "c_thread_handed": int(handed),
             "noflush_opens": _fastclose.noflush_opens(),
             "cached_listings": _fastclose.cached_listings(), **_fastread.counts(),
             **_diskcache.c_counts()}

@@ -9,6 +9,10 @@ read / pread / reply cycle in `strace`, 700-1,900 IOPS at depth 16 against 6,300
 another request is already there, the caller sends its disk read to a worker and lets the loop
 take the next request, so queued reads overlap on the disk.
 
+With the shim's request threads (`_shim_threads.c`, `FANSTORE_FUSE_THREADS`) the kernel's queue
+is read at once by them: a request they hand to pyfuse3 waits in the shim's queue, so
+`waiting()` asks the shim first (`fuse_queued()`).
+
 The descriptor is looked for once, at the first call (the daemon calls it only for reads, after
 it mounted), in /proc/self/fd (pyfuse3 does not expose it); a process without one (library
 use, tests in process) never sees requests waiting.
@@ -19,7 +23,10 @@ from __future__ import annotations
 import os
 import select
 
+from . import _fastclose
+
 _DEVICE = "/dev/fuse"
+_queued = getattr(_fastclose._shim, "fuse_queued", None)  # requests the shim's threads queued
 
 
 class FuseQueue:
@@ -48,6 +55,8 @@ class FuseQueue:
 
     def waiting(self) -> bool:
         """True when another FUSE request is queued for this process (never blocks)."""
+        if _queued is not None and _queued():
+            return True
         if self._poll is None:
             if self._looked:
                 return False

@@ -83,8 +83,10 @@ int fuse_reply_open(fuse_req_t req, const struct fuse_file_info *fi) {
         real_reply_open = find_real();
     if (real_reply_open == NULL || real_reply_open == fuse_reply_open)
         return -ENOSYS; /* cannot happen once enable() succeeded */
-    int cache_dir = dir_marked && fi->fh == dir_mark_fh;
-    dir_marked = 0; /* a mark is for the very next reply only */
+    /* a mark is for the very next reply on the trio thread only (Python's opendir) */
+    int cache_dir = !fanstore_c_thread && dir_marked && fi->fh == dir_mark_fh;
+    if (!fanstore_c_thread)
+        dir_marked = 0;
     if (cache_dir) {
         struct fuse_file_info copy = *fi;
         copy.cache_readdir = 1;
@@ -95,7 +97,7 @@ int fuse_reply_open(fuse_req_t req, const struct fuse_file_info *fi) {
     if (enabled && (fi->flags & O_ACCMODE) == O_RDONLY) {
         struct fuse_file_info copy = *fi;
         copy.noflush = 1;
-        noflush_opens++;
+        __atomic_add_fetch(&noflush_opens, 1, __ATOMIC_RELAXED);
         return real_reply_open(req, &copy);
     }
     return real_reply_open(req, fi);
@@ -143,7 +145,7 @@ static PyObject *dirs(PyObject *self, PyObject *unused) {
 static PyObject *count(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
-    return PyLong_FromUnsignedLongLong(noflush_opens);
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&noflush_opens, __ATOMIC_RELAXED));
 }
 
 static PyObject *patched(PyObject *self, PyObject *unused) {
@@ -160,6 +162,9 @@ static PyMethodDef methods[] = {
     {"dirs", dirs, METH_NOARGS, "dirs(): opendir replies sent with cache_readdir so far"},
     {"fast_open", fanstore_fast_open, METH_VARARGS, "fast_open(linger_us, timeout, trio_total_us=5000): OPEN/RELEASE/GETATTR of the held dataset's files in C"},
     {"fast_counts", fanstore_fast_counts, METH_NOARGS, "fast_counts(): (opens, releases, getattrs, lingered, returns to trio) in C"},
+    {"fuse_threads", fanstore_py_fuse_threads, METH_VARARGS, "fuse_threads(n): the next session's requests read by n C threads (0: by pyfuse3; before pyfuse3.init)"},
+    {"fuse_thread_counts", fanstore_py_fuse_thread_counts, METH_NOARGS, "fuse_thread_counts(): (threads, answered on them, handed to trio)"},
+    {"fuse_queued", fanstore_py_fuse_queued, METH_NOARGS, "fuse_queued(): whether a request the threads read waits for pyfuse3"},
     {"linger_trio", fanstore_linger_trio, METH_VARARGS, "linger_trio(epoll_fd, runq): linger while trio has nothing to do"},
     FANSTORE_READDIR_METHODS
     FANSTORE_BLOBS_METHODS

@@ -15,6 +15,7 @@
 | `FANSTORE_FASTREAD_INLINE` | 131072 | C READs this small first tried from the page cache inline (0: never) |
 | `FANSTORE_FUSE_LINGER_US` | 200 | after a request answered in C, wait for the next (us; 0: back to trio) |
 | `FANSTORE_FUSE_TRIO_TOTAL_US` | 5000 | while trio idles, answer in C at most this long before it runs (us) |
+| `FANSTORE_FUSE_THREADS` | 1 | C threads reading /dev/fuse for the shim (0: pyfuse3 reads it) |
 | `FANSTORE_MPI_REPLY_POLL` | 2e-05 | first poll interval (s) while replies are due (0: idle backoff) |
 | `FANSTORE_MPI_BACKOFF` | 2.0 | growth of the MPI thread's poll interval while nothing arrives (1: fixed) |
 | `FANSTORE_MPI_DOORBELL` | 1 | a UDP doorbell rung with each frame sent wakes the peer (0: poll only) |
@@ -50,6 +51,7 @@ _ENV = {
     "fast_open": "FANSTORE_FASTOPEN",
     "fuse_linger_us": "FANSTORE_FUSE_LINGER_US",
     "fuse_trio_total_us": "FANSTORE_FUSE_TRIO_TOTAL_US",
+    "fuse_threads": "FANSTORE_FUSE_THREADS",
     "fast_read": "FANSTORE_FASTREAD",
     "fast_read_threads": "FANSTORE_FASTREAD_THREADS",
     "fast_read_inline": "FANSTORE_FASTREAD_INLINE",
@@ -106,6 +108,7 @@ class Settings:
     fast_open: int = 1
     fuse_linger_us: int = 200
     fuse_trio_total_us: int = 5000
+    fuse_threads: int = 1
     fast_read: int = 1
     fast_read_threads: int = 16
     fast_read_inline: int = 128 << 10

@@ -66,31 +66,40 @@ static void open_in_c(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
         fi->keep_cache = 1;
         fi->direct_io = 0;
         fi->nonseekable = 0;
-        c_opens++;
+        __atomic_add_fetch(&c_opens, 1, __ATOMIC_RELAXED);
         fuse_reply_open(req, fi); /* _noflush.c's: noflush on read-only opens when enabled */
         return;
     }
-    py_open(req, ino, fi);
+    if (fanstore_c_thread) /* cannot happen: a thread processes only what answered() took */
+        reply_err(req, EIO);
+    else
+        py_open(req, ino, fi);
 }
 
 static void release_in_c(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
     if (release_here(fi->fh)) {
-        c_releases++;
+        __atomic_add_fetch(&c_releases, 1, __ATOMIC_RELAXED);
         reply_err(req, 0);
         return;
     }
-    py_release(req, ino, fi);
+    if (fanstore_c_thread) /* cannot happen: a thread processes only what answered() took */
+        reply_err(req, EIO);
+    else
+        py_release(req, ino, fi);
 }
 
 static void getattr_in_c(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
     if (getattr_here(ino)) {
         struct stat st;
         fanstore_dataset_stat(ino - 1, &st);
-        c_getattrs++;
+        __atomic_add_fetch(&c_getattrs, 1, __ATOMIC_RELAXED);
         reply_attr(req, &st, attr_timeout);
         return;
     }
-    py_getattr(req, ino, fi);
+    if (fanstore_c_thread) /* cannot happen: a thread processes only what answered() took */
+        reply_err(req, EIO);
+    else
+        py_getattr(req, ino, fi);
 }
 
 /* The request loop. pyfuse3 answers each request from a trio task: wait until /dev/fuse is
@@ -101,7 +110,9 @@ static void getattr_in_c(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *
  * a reader's LOOKUP, OPEN, READ, RELEASE, GETATTR, LOOKUP... never return to trio. The first request C does not
  * answer is returned to pyfuse3 as usual; nothing arriving in time, LINGER_BATCH requests
  * answered in a row, or 1 ms spent here, returns -EINTR, on which pyfuse3 waits again (other
- * trio tasks run first). */
+ * trio tasks run first). With _shim_threads.c's request threads (FANSTORE_FUSE_THREADS) the
+ * requests come from their queue instead of /dev/fuse (fanstore_threads_pop, waiting on its
+ * eventfd): what reaches this thread then is what they could not answer, READs in C included. */
 struct in_header { /* struct fuse_in_header of <linux/fuse.h>: the kernel's ABI */
     uint32_t len, opcode;
     uint64_t unique, nodeid;
@@ -136,8 +147,10 @@ static PyObject *trio_runq;
 #define TRIO_IDLE_US 5000
 static int64_t trio_total_ns = 5000000; /* fast_open's trio_total_us */
 
-/* Whether the handlers above answer this request in C (the same tests they make). */
-static int answered_here(const struct fuse_buf *buf, int len) {
+/* Whether the handlers above answer this request in C (the same tests they make); READ only on
+ * the trio thread (`on_trio`: _shim_read.c's inline path holds the GIL), the others on the
+ * request threads of _shim_threads.c too (no Python, no GIL). */
+int fanstore_answered(const struct fuse_buf *buf, int len, int on_trio) {
     if ((buf->flags & FUSE_BUF_IS_FD) || buf->mem == NULL || len < (int)sizeof(struct in_header))
         return 0;
     const struct in_header *h = buf->mem;
@@ -158,8 +171,8 @@ static int answered_here(const struct fuse_buf *buf, int len) {
         memcpy(&u32, body, 4); /* fuse_open_in.flags */
         return open_here(h->nodeid, u32);
     case OP_READ:
-        return fanstore_read_answered(h->nodeid, body, left) || /* _shim_read.c */
-               fanstore_remote_answered(h->nodeid, body, left); /* _shim_remote_read.c */
+        return on_trio && (fanstore_read_answered(h->nodeid, body, left) || /* _shim_read.c */
+                           fanstore_remote_answered(h->nodeid, body, left)); /* _shim_remote_read.c */
     case OP_RELEASE:
         if (left < 8)
             return 0;
@@ -224,13 +237,15 @@ int fuse_session_receive_buf(struct fuse_session *se, struct fuse_buf *buf) {
     }
     if (real_receive == NULL || real_receive == fuse_session_receive_buf)
         return -ENOSYS; /* libfuse not found: cannot happen once a session exists */
-    int res = real_receive(se, buf);
+    int threaded = fanstore_threads_on(se); /* requests come from _shim_threads.c's queue */
+    int res = threaded ? fanstore_threads_pop(buf) : real_receive(se, buf);
     if (linger_us <= 0 || real_process == NULL || session_fd == NULL)
         return res;
+    int fd = threaded ? fanstore_threads_fd() : session_fd(se);
     int64_t start = 0;
     int aware = trio_fd >= 0;
     long idle = aware && linger_us < TRIO_IDLE_US ? TRIO_IDLE_US : linger_us;
-    for (int n = 0; res > 0 && answered_here(buf, res); n++) {
+    for (int n = 0; res > 0 && fanstore_answered(buf, res, 1); n++) {
         real_process(se, buf);
         lingered++;
         if (n == 0)
@@ -243,10 +258,10 @@ int fuse_session_receive_buf(struct fuse_session *se, struct fuse_buf *buf) {
             trio_busy++;
             break;
         }
-        if (!wait_readable(session_fd(se), idle))
+        if (!wait_readable(fd, idle))
             break;
-        res = real_receive(se, buf);
-        if (res <= 0 || !answered_here(buf, res))
+        res = threaded ? fanstore_threads_pop(buf) : real_receive(se, buf);
+        if (res <= 0 || !fanstore_answered(buf, res, 1))
             return res; /* pyfuse3 handles it (or the error) */
     }
     if (res > 0 && start != 0) {

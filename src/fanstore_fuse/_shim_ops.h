@@ -17,6 +17,18 @@ void fanstore_patch_read(struct fuse_lowlevel_ops *ops);    /* _shim_read.c */
  * (_shim_open.c's request loop then keeps going without trio). */
 int fanstore_read_answered(uint64_t ino, const void *body, size_t left);
 
+/* _shim_open.c: whether a request is answered in C (READ only `on_trio`, the pyfuse3 thread). */
+int fanstore_answered(const struct fuse_buf *buf, int len, int on_trio);
+
+/* _shim_threads.c: requests read by C threads (FANSTORE_FUSE_THREADS), the rest queued for the
+ * trio thread. */
+extern __thread int fanstore_c_thread;                /* 1 on those threads */
+int fanstore_threads_on(struct fuse_session *se);    /* the threads read `se`'s requests */
+int fanstore_threads_fd(void);                        /* readable while the queue holds one */
+int fanstore_threads_pop(struct fuse_buf *buf);       /* the next queued request (-EINTR: none) */
+int fanstore_threads_queued(void);                    /* whether a request is queued */
+void fanstore_threads_destroy(struct fuse_session *se); /* threads stopped, before libfuse's */
+
 #ifdef Py_PYTHON_H /* the module's functions defined next to their patch */
 /* Reply to `req` with what a Python fallback returned (bytes, or a positive errno; EIO for
  * anything else, an exception reported as unraisable against `who`); steals `res`. GIL held.
@@ -28,6 +40,9 @@ PyObject *fanstore_linger_trio(PyObject *self, PyObject *args);    /* _shim_open
 PyObject *fanstore_py_fast_read(PyObject *self, PyObject *args);    /* _shim_read.c */
 PyObject *fanstore_py_read_start(PyObject *self, PyObject *fallback);
 PyObject *fanstore_py_read_counts(PyObject *self, PyObject *unused);
+PyObject *fanstore_py_fuse_threads(PyObject *self, PyObject *args);        /* _shim_threads.c */
+PyObject *fanstore_py_fuse_thread_counts(PyObject *self, PyObject *unused);
+PyObject *fanstore_py_fuse_queued(PyObject *self, PyObject *unused);
 #endif
 
 #endif

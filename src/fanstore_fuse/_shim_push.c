@@ -100,6 +100,7 @@ void fanstore_push(uint64_t ino, uint64_t off, struct fanstore_frame *f) {
 
 void fuse_session_destroy(struct fuse_session *se) {
     destroy_t real = (destroy_t)fanstore_libfuse_symbol("fuse_session_destroy");
+    fanstore_threads_destroy(se); /* _shim_threads.c: its readers stop before the fd closes */
     pthread_mutex_lock(&lock);
     on = 0; /* queued frames are dropped by the pusher */
     struct timespec until;

@@ -254,9 +254,9 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-static int fuse_waiting(void) {
+static int fuse_waiting(void) { /* queued by _shim_threads.c's readers, or in the kernel */
     struct pollfd p = {.fd = session_fd(fanstore_session), .events = POLLIN};
-    return poll(&p, 1, 0) != 0;
+    return fanstore_threads_queued() || poll(&p, 1, 0) != 0;
 }
 
 /* Nothing else to do: no READ queued or being served by a thread, no request waiting on

@@ -55,6 +55,7 @@ static init_t py_init;
 static readdir_t py_readdirplus;
 static lookup_t py_lookup;
 static reply_entry_t reply_entry;
+static int (*reply_err)(fuse_req_t, int);
 static reply_buf_t reply_buf;
 static add_plus_t add_plus;
 static add_plain_t add_plain;
@@ -134,12 +135,16 @@ static void lookup_c(fuse_req_t req, fuse_ino_t parent, const char *name) {
     if (j >= 0) {
         struct fuse_entry_param e;
         fill_entry((uint64_t)j, &e);
-        c_lookups++;
-        file_lookups += ds->kind[j] != FANSTORE_KIND_DIR;
+        __atomic_add_fetch(&c_lookups, 1, __ATOMIC_RELAXED); /* also on _shim_threads.c's */
+        if (ds->kind[j] != FANSTORE_KIND_DIR)
+            __atomic_add_fetch(&file_lookups, 1, __ATOMIC_RELAXED);
         reply_entry(req, &e);
         return;
     }
-    py_lookup(req, parent, name); /* not the dataset's: maybe written */
+    if (fanstore_c_thread) /* cannot happen: such a thread takes only what C answers */
+        reply_err(req, EIO);
+    else
+        py_lookup(req, parent, name); /* not the dataset's: maybe written */
 }
 
 int fanstore_lookup_answered(uint64_t parent, const void *body, size_t left) {
@@ -229,7 +234,9 @@ void fanstore_patch_readdir(struct fuse_lowlevel_ops *ops) {
     add_plus = (add_plus_t)fanstore_libfuse_symbol("fuse_add_direntry_plus");
     reply_entry = (reply_entry_t)fanstore_libfuse_symbol("fuse_reply_entry");
     reply_buf = (reply_buf_t)fanstore_libfuse_symbol("fuse_reply_buf");
+    reply_err = (int (*)(fuse_req_t, int))fanstore_libfuse_symbol("fuse_reply_err");
     if (add_plain == NULL || add_plus == NULL || reply_entry == NULL || reply_buf == NULL ||
+        reply_err == NULL ||
         ops->lookup == NULL) {
         add_plain = NULL; /* serve_dataset refuses */
         return;

@@ -1,0 +1,299 @@
+/* FUSE requests read by C threads (issue 11, warm small files; FANSTORE_FUSE_THREADS).
+ *
+ * A warm small file costs the daemon an OPEN and a RELEASE, both answered in C (_shim_open.c).
+ * On pyfuse3's one FUSE thread each also cost a ppoll of /dev/fuse and trio's wake-up sockets,
+ * the GIL released and taken back, and a look at trio's run queue: 35 us of CPU per warm file
+ * against squashfuse_ll's 15 (libfuse's loop: a blocking read(), the answer, a writev).
+ *
+ * With `fuse_threads(n)` (before pyfuse3.init), pyfuse3's call of fuse_session_fd (in init,
+ * right after the mount) starts n threads ("fanstore-fuse0".."n-1") that read the session's
+ * /dev/fuse descriptor themselves, as libfuse's multi-threaded loop does without clone_fd
+ * (the kernel wakes one blocked reader per request; a reply goes to the descriptor the request
+ * came from, here the same one). A thread answers what C answers without Python and without
+ * the GIL (fanstore_answered(.., 0): LOOKUP, GETATTR, OPEN, RELEASE of the dataset, IOCTL's
+ * ENOSYS), and queues every other request, in the order it read them, for the trio thread:
+ * pyfuse3 is given an eventfd instead of /dev/fuse, readable while the queue holds a request,
+ * and the interposed fuse_session_receive_buf (_shim_open.c) takes the next one from the queue
+ * (fanstore_threads_pop). Every request is read once, by one thread, and either answered there
+ * or queued once; the trio thread never reads /dev/fuse. READ stays on the trio thread
+ * (_shim_read.c's inline path holds the GIL), where the request loop answers it in C as before.
+ * One thread is the default: with 4, every request woke a sleeping thread (a context switch)
+ * and they contended for the kernel's queue lock (10% of the samples in a spinlock slow path):
+ * 18-26 us of the daemon's CPU per open+close against 11-17 with one (docs/performance.md);
+ * squashfuse_ll, too, answered from one of its threads nearly always. A C answer never blocks,
+ * so one thread is never busy for long; more only help if that changes.
+ *
+ * A thread that reads an error other than EINTR/EAGAIN/ENOENT (ENODEV: unmounted) ends the
+ * session as libfuse's loop would: the queue then says 0 (or -errno) to pyfuse3 forever. The
+ * interposed fuse_session_unmount and fuse_session_destroy (_shim_push.c's) stop the threads first (cancelled in
+ * their blocking read, the only point where cancellation is on, as libfuse's loop does, then
+ * joined), before libfuse closes the descriptor; requests still queued are dropped with the
+ * session (the kernel fails them when the connection goes).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "_shim_ops.h"
+
+#define MAX_THREADS 16
+#define HEADER_MAX 4096              /* libfuse's FUSE_BUFFER_HEADER_SIZE */
+#define COPY_MAX (128u << 10)        /* larger requests (WRITE) hand over the thread's buffer */
+
+__thread int fanstore_c_thread; /* 1 on the threads below */
+
+typedef void (*process_t)(struct fuse_session *, const struct fuse_buf *);
+typedef int (*session_fd_t)(struct fuse_session *);
+typedef void (*session_void_t)(struct fuse_session *);
+
+struct item {
+    struct item *next;
+    char *mem;
+    size_t len;
+};
+
+static int wanted;                 /* fuse_threads(n) */
+static int running;                /* threads started (0: pyfuse3 reads /dev/fuse itself) */
+static pthread_t tids[MAX_THREADS];
+static struct fuse_session *tse;   /* the session they serve */
+static int dev_fd = -1, efd = -1;  /* /dev/fuse, and the eventfd pyfuse3 waits on */
+static size_t bufsize;
+static process_t real_process;
+static pthread_mutex_t qlock = PTHREAD_MUTEX_INITIALIZER;
+static struct item *head, *tail;
+static int end_res = 1;            /* 1: running; else what receive_buf returns (0 or -errno) */
+static unsigned long long answered, handed;
+
+static void *xmalloc(size_t n) { /* never drop a request: wait for memory */
+    void *p;
+    while ((p = malloc(n)) == NULL)
+        nanosleep(&(struct timespec){0, 1000000}, NULL);
+    return p;
+}
+
+static void bell(int on) { /* efd readable iff the queue holds a request or the session ended */
+    uint64_t v = 1;
+    if (on)
+        (void)!write(efd, &v, sizeof(v));
+    else
+        (void)!read(efd, &v, sizeof(v));
+}
+
+static void push(char **mem, size_t len) {
+    struct item *it = xmalloc(sizeof(*it));
+    if (len <= COPY_MAX) {
+        it->mem = xmalloc(len);
+        memcpy(it->mem, *mem, len);
+    } else { /* a big WRITE: the buffer itself, the thread takes a new one */
+        it->mem = *mem;
+        *mem = xmalloc(bufsize);
+    }
+    it->len = len;
+    it->next = NULL;
+    pthread_mutex_lock(&qlock);
+    if (tail != NULL)
+        tail->next = it;
+    else {
+        head = it;
+        if (end_res == 1)
+            bell(1);
+    }
+    tail = it;
+    __atomic_add_fetch(&handed, 1, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&qlock);
+}
+
+static void end_session(int res) {
+    pthread_mutex_lock(&qlock);
+    if (end_res == 1) {
+        end_res = res;
+        if (head == NULL)
+            bell(1); /* stays readable: every pyfuse3 task waiting wakes and ends */
+    }
+    pthread_mutex_unlock(&qlock);
+}
+
+static void free_buffer(void *mem) { free(*(char **)mem); }
+
+static void *thread_main(void *arg) {
+    (void)arg;
+    fanstore_c_thread = 1;
+    pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, NULL);
+    char *mem = xmalloc(bufsize);
+    pthread_cleanup_push(free_buffer, &mem);
+    for (;;) {
+        pthread_setcancelstate(PTHREAD_CANCEL_ENABLE, NULL);
+        ssize_t n = read(dev_fd, mem, bufsize);
+        pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, NULL);
+        if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == ENOENT))
+            continue; /* ENOENT: the request was interrupted before it was read */
+        if (n < 0 || (size_t)n < 40) { /* ENODEV: unmounted; a short read: as libfuse, EIO */
+            end_session(n < 0 && errno == ENODEV ? 0 : -(n < 0 ? errno : EIO));
+            break;
+        }
+        struct fuse_buf fb = {.size = (size_t)n, .mem = mem};
+        if (fanstore_answered(&fb, (int)n, 0)) {
+            real_process(tse, &fb);
+            __atomic_add_fetch(&answered, 1, __ATOMIC_RELAXED);
+        } else
+            push(&mem, (size_t)n);
+    }
+    pthread_cleanup_pop(1);
+    return NULL;
+}
+
+static int start(struct fuse_session *se, int fd) {
+    real_process = (process_t)fanstore_libfuse_symbol("fuse_session_process_buf");
+    if (real_process == NULL)
+        return 0;
+    efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (efd < 0)
+        return 0;
+    tse = se;
+    dev_fd = fd;
+    bufsize = (size_t)256 * (size_t)sysconf(_SC_PAGESIZE) + HEADER_MAX; /* libfuse's bufsize */
+    end_res = 1;
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old); /* signals stay with the Python threads */
+    for (running = 0; running < wanted; running++) {
+        if (pthread_create(&tids[running], NULL, thread_main, NULL) != 0)
+            break;
+        char name[16];
+        snprintf(name, sizeof(name), "fanstore-fuse%d", running);
+        pthread_setname_np(tids[running], name);
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (running == 0) {
+        close(efd);
+        efd = -1;
+        return 0;
+    }
+    return 1;
+}
+
+static void stop(void) {
+    if (running == 0)
+        return;
+    for (int k = 0; k < running; k++)
+        pthread_cancel(tids[k]);
+    for (int k = 0; k < running; k++)
+        pthread_join(tids[k], NULL);
+    running = 0;
+    pthread_mutex_lock(&qlock);
+    while (head != NULL) { /* never to be answered: the session goes */
+        struct item *it = head;
+        head = it->next;
+        free(it->mem);
+        free(it);
+    }
+    tail = NULL;
+    pthread_mutex_unlock(&qlock);
+}
+
+int fanstore_threads_on(struct fuse_session *se) { return running > 0 && se == tse; }
+
+int fanstore_threads_fd(void) { return efd; }
+
+int fanstore_threads_queued(void) {
+    return running > 0 && __atomic_load_n(&head, __ATOMIC_RELAXED) != NULL;
+}
+
+int fanstore_threads_pop(struct fuse_buf *buf) {
+    pthread_mutex_lock(&qlock);
+    struct item *it = head;
+    int res = end_res;
+    if (it != NULL) {
+        head = it->next;
+        if (head == NULL) {
+            tail = NULL;
+            if (end_res == 1)
+                bell(0);
+        }
+    }
+    pthread_mutex_unlock(&qlock);
+    if (it == NULL) {
+        session_void_t exit_ = (session_void_t)fanstore_libfuse_symbol("fuse_session_exit");
+        if (res == 0 && exit_ != NULL)
+            exit_(tse); /* as libfuse does on ENODEV: pyfuse3's loop ends */
+        return res == 1 ? -EINTR : res;
+    }
+    free(buf->mem); /* pyfuse3's buffer of the previous request (malloc'd here or by libfuse) */
+    buf->mem = it->mem;
+    buf->size = it->len;
+    buf->flags = 0;
+    buf->pos = 0;
+    int len = (int)it->len;
+    free(it);
+    return len;
+}
+
+int fuse_session_fd(struct fuse_session *se) {
+    session_fd_t real = (session_fd_t)fanstore_libfuse_symbol("fuse_session_fd");
+    if (real == NULL || real == fuse_session_fd)
+        return -1;
+    int fd = real(se);
+    if (fanstore_threads_on(se))
+        return efd;
+    if (wanted <= 0 || fd < 0 || running > 0 || se != fanstore_session || !start(se, fd))
+        return fd;
+    return efd;
+}
+
+void fuse_session_unmount(struct fuse_session *se) {
+    session_void_t real = (session_void_t)fanstore_libfuse_symbol("fuse_session_unmount");
+    if (se == tse)
+        stop(); /* before libfuse closes the descriptor they read */
+    if (real != NULL && real != fuse_session_unmount)
+        real(se);
+}
+
+/* Called first by _shim_push.c's fuse_session_destroy (the one interposed there). */
+void fanstore_threads_destroy(struct fuse_session *se) {
+    if (se != tse)
+        return;
+    stop();
+    tse = NULL;
+    if (efd >= 0)
+        close(efd);
+    efd = -1;
+    dev_fd = -1;
+}
+
+/* fuse_threads(n): the next session's requests read by n C threads (0: by pyfuse3). */
+PyObject *fanstore_py_fuse_threads(PyObject *self, PyObject *args) {
+    (void)self;
+    int n;
+    if (!PyArg_ParseTuple(args, "i", &n))
+        return NULL;
+    if (n < 0 || n > MAX_THREADS) {
+        PyErr_Format(PyExc_ValueError, "fuse_threads: 0..%d threads", MAX_THREADS);
+        return NULL;
+    }
+    wanted = n;
+    Py_RETURN_NONE;
+}
+
+/* fuse_thread_counts(): (threads running, requests answered on them, handed to trio) */
+PyObject *fanstore_py_fuse_thread_counts(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return Py_BuildValue("(iKK)", running, __atomic_load_n(&answered, __ATOMIC_RELAXED),
+                         __atomic_load_n(&handed, __ATOMIC_RELAXED));
+}
+
+/* fuse_queued(): whether a request waits in the queue for pyfuse3 (_fusequeue.waiting). */
+PyObject *fanstore_py_fuse_queued(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyBool_FromLong(fanstore_threads_queued());
+}

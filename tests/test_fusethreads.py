@@ -1,0 +1,181 @@
+"""FUSE requests read by the shim's C threads (`_shim_threads.c`, FANSTORE_FUSE_THREADS) on real
+default (writable) mounts: dataset files read byte for byte by 4 concurrent readers while a
+writer creates, closes, re-reads, renames and removes files on the same mount; every request
+processed exactly once (libfuse's debug log), the dataset's answered on the threads, the
+written files' through Python; the threads stop with the mount (a clean unmount, also after an
+external `fusermount3 -u`); FANSTORE_FUSE_THREADS=0 keeps pyfuse3's own loop."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import random
+import re
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from _harness import mounted, prep_cli, status_ranks
+
+pytestmark = [pytest.mark.mount]
+
+
+def _tree(src: Path) -> dict[str, bytes]:
+    rng = random.Random(11)
+    files = {f"d{i % 5}/f{i:03d}": rng.randbytes(rng.choice([0, 1, 4095, 20_000, 70_000, 140_000]))
+             for i in range(120)}
+    for rel, body in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(body)
+    return files
+
+
+def _shim(m) -> dict[str, int]:
+    return status_ranks(m.status())[0]["fuse_shim"]
+
+
+def _readers(root: Path, files: dict[str, bytes], n: int, passes: int, errors: list) -> list:
+    def run(k: int) -> None:
+        rng = random.Random(k)
+        names = sorted(files)
+        try:
+            for _ in range(passes):
+                rng.shuffle(names)
+                for rel in names:
+                    with open(root / rel, "rb", buffering=0) as f:
+                        got = f.read()
+                    if got != files[rel]:
+                        errors.append(f"reader {k}: {rel} differs")
+                    os.stat(root / rel)
+        except OSError as e:
+            errors.append(f"reader {k}: {e!r}")
+    return [threading.Thread(target=run, args=(k,), name=f"reader{k}") for k in range(n)]
+
+
+def _writer(root: Path, files: dict[str, bytes], rounds: int, errors: list) -> threading.Thread:
+    def run() -> None:
+        rng = random.Random(99)
+        out = root / "written"
+        try:
+            out.mkdir()
+            for i in range(rounds):
+                body = rng.randbytes(rng.choice([0, 10, 5000, 200_000]))
+                p = out / f"w{i:03d}"
+                with open(p, "wb") as f:
+                    f.write(body)
+                if p.read_bytes() != body:
+                    errors.append(f"writer: {p.name} differs after close")
+                if i % 3 == 0:
+                    os.rename(p, out / f"r{i:03d}")
+                    if (out / f"r{i:03d}").read_bytes() != body:
+                        errors.append(f"writer: r{i:03d} differs after rename")
+                elif i % 3 == 1:
+                    os.unlink(p)
+                    if p.exists():
+                        errors.append(f"writer: {p.name} still there after unlink")
+                rel = rng.choice(sorted(files))  # dataset reads from the writer too
+                if (root / rel).read_bytes() != files[rel]:
+                    errors.append(f"writer: dataset {rel} differs")
+            names = sorted(os.listdir(out))
+            want = sorted([f"r{i:03d}" for i in range(rounds) if i % 3 == 0]
+                          + [f"w{i:03d}" for i in range(rounds) if i % 3 == 2])
+            if names != want:
+                errors.append(f"writer: listing {names} != {want}")
+        except OSError as e:
+            errors.append(f"writer: {e!r}")
+    return threading.Thread(target=run, name="writer")
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie waiting for its parent has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _mount(tmp_path: Path, state_dir, threads: str, debug: bool = False):
+    """A default mount of a fresh _tree with FANSTORE_FUSE_THREADS=threads: (mount, files)."""
+    src = tmp_path / "src"
+    files = _tree(src)
+    dest = prep_cli(src, tmp_path / "dest")
+    with mounted(dest, tmp_path / "mnt", state_dir, local=tmp_path / "local",
+                 extra_args=["--debug"] if debug else [],
+                 env={"FANSTORE_FUSE_THREADS": threads} if threads else {}) as m:
+        yield m, files
+
+
+def _read_and_write(m, files: dict[str, bytes], readers: int, passes: int, rounds: int) -> None:
+    """`readers` threads read every file `passes` times while a writer writes `rounds` files."""
+    errors: list[str] = []
+    threads = _readers(m.path, files, readers, passes, errors) + [
+        _writer(m.path, files, rounds, errors)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not any(t.is_alive() for t in threads), "a reader or the writer hung"
+    assert errors == []
+
+
+def _uniques(log: str) -> collections.Counter:
+    return collections.Counter(re.findall(r"unique: (\d+), opcode: ", log))
+
+
+@pytest.mark.timeout(240)
+def test_threads_answer_dataset_requests_while_files_are_written(tmp_path, state_dir):
+    with _mount(tmp_path, state_dir, "4", debug=True) as (m, files):
+        _read_and_write(m, files, 4, 3, 60)
+        c = _shim(m)
+        assert c["c_fuse_threads"] == 4, c
+        # the dataset's OPEN/RELEASE/LOOKUP/GETATTR on the threads; writes and the written
+        # files' requests handed to pyfuse3 (the writer's 60 files need far more than 60)
+        assert c["c_thread_answered"] >= 4 * 3 * len(files), c
+        assert c["c_thread_handed"] >= 60, c
+        assert c["c_opens"] >= 4 * 3 * len(files), c
+        log = m.log_text()
+        seen = _uniques(log)
+        twice = [u for u, k in seen.items() if k > 1]
+        assert twice == [], f"requests processed more than once: {twice[:10]}"
+        assert len(seen) >= c["c_thread_answered"] + c["c_thread_handed"] - 10, (len(seen), c)
+        assert "Traceback" not in log
+        st = m.state()
+        assert st is not None and st.pids
+        m.umount()
+    assert m.forced == []
+    assert "killed" not in m.umount_result.stdout + m.umount_result.stderr
+    for pid in st.pids:
+        assert not _running(pid), f"daemon {pid} still running"
+
+
+@pytest.mark.timeout(120)
+def test_external_unmount_ends_the_daemon(tmp_path, state_dir):
+    """`fusermount3 -u` from outside: the threads read ENODEV, pyfuse3's loop ends, the daemon
+    exits by itself (no SIGKILL needed)."""
+    with _mount(tmp_path, state_dir, "") as (m, files):
+        rel = sorted(files)[3]
+        assert (m.path / rel).read_bytes() == files[rel]
+        assert _shim(m)["c_fuse_threads"] == 1  # the default
+        st = m.state()
+        assert st is not None
+        pids = list(st.pids)
+        subprocess.run(["fusermount3", "-u", str(m.path)], check=True, timeout=30)
+        deadline = time.monotonic() + 30
+        while any(_running(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_running(p) for p in pids), "daemon still running"
+        assert "Traceback" not in m.log_text()
+
+
+@pytest.mark.timeout(120)
+def test_threads_off_keeps_pyfuse3s_loop(tmp_path, state_dir):
+    with _mount(tmp_path, state_dir, "0") as (m, files):
+        _read_and_write(m, files, 2, 2, 12)
+        c = _shim(m)
+        assert c["c_fuse_threads"] == 0 and c["c_thread_answered"] == 0, c
+        assert c["c_opens"] >= 2 * 2 * len(files) and c["c_lingered"] > 0, c
