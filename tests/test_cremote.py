@@ -221,3 +221,36 @@ def test_large_remote_reads_in_c(tmp_path, mount_factory, mode):
             assert c["corrupt"] == c["c_read_fallbacks"] == c["timeouts"] == 0, r
     if damaged:
         assert "(C): rank 1: Input/output error" in m.log_text()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("eager", [True, False])
+def test_small_replies_are_eager(tmp_path, mount_factory, eager):
+    """Replies of small blobs (90-130 KB here) go through MPICH's eager shared-memory cells
+    (`_transport.mpich_shm_defaults`, on by default): every send is complete when posted, so
+    the serving rank never tests one again (`send_waits` 0). `FANSTORE_MPI_EAGER=0` keeps
+    MPICH's CMA path, whose sends wait for the reader's copy. Every file byte for byte."""
+    rng = random.Random(7)
+    src = tmp_path / "src"
+    src.mkdir()
+    data = {f"f{i:03d}.bin": rng.randbytes(rng.randint(90_000, 130_000)) for i in range(48)}
+    for name, blob in data.items():
+        (src / name).write_bytes(blob)
+    dest = prep_cli(src, tmp_path / "dest", "--chunk-mib", "1", "-p", "4")
+    env = {"FANSTORE_CACHE_SIZE": "0", **({} if eager else {"FANSTORE_MPI_EAGER": "0"})}
+    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=2, env=env)
+    deadline = time.monotonic() + 30
+    while not all(r["c_remote"]["ready"] and r["c_remote"]["reading"] for r in status_ranks(m.status())):
+        assert time.monotonic() < deadline, "the C remote threads never became ready"
+        time.sleep(0.05)
+    for mp in m.mountpoints:
+        for name, blob in data.items():
+            with open(os.path.join(mp, name), "rb") as f:
+                assert f.read() == blob, name
+    rs = status_ranks(m.status())
+    for r in rs:
+        c = r["c_remote"]
+        assert c["served"] > 0 and c["c_reads"] > 0, r
+        assert c["corrupt"] == c["timeouts"] == c["c_read_fallbacks"] == 0, r
+    waits = [r["c_remote"]["send_waits"] for r in rs]
+    assert (waits == [0, 0]) if eager else (sum(waits) > 0), waits
