@@ -60,6 +60,7 @@ IO_THREADS = 4  # threads reading the disk for inline requests the page cache ca
 # complete at once; larger ones (chunks of large files) keep the single copy of CMA.
 EAGER_BYTES = 256 << 10
 EAGER_CELL = EAGER_BYTES + (4 << 10)  # a reply of EAGER_BYTES and MPICH's headers fit a cell
+EAGER_CELLS = 32  # per rank, in shared memory: 8.3 MiB (MPICH's default 64 cells of 8 KiB)
 
 
 def mpich_shm_defaults(environ: Any = os.environ) -> None:
@@ -69,6 +70,7 @@ def mpich_shm_defaults(environ: Any = os.environ) -> None:
     if environ.get("FANSTORE_MPI_EAGER", "1") == "0":
         return
     for key, value in (("MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_CELL_SIZE", EAGER_CELL),
+                       ("MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_NUM_CELLS", EAGER_CELLS),
                        ("MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD", EAGER_BYTES)):
         environ.setdefault(key, str(value))
     cell = int(environ["MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_CELL_SIZE"])
