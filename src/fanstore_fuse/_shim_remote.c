@@ -230,8 +230,8 @@ void *fsr_worker(void *unused) {
             COUNT(served_io);
             if (reply != NULL && fsr_direct && fsr_mpi_fresh())
                 fsr_send(j->source, FSR_TAG_REPLY, reply, n, 2e-3); /* no hop to the remote thread */
-            else if (reply != NULL && fsr_worker_sends(n))
-                fsr_send(j->source, FSR_TAG_REPLY, reply, n, 0); /* eager: complete at once */
+            else if (reply != NULL && fsr_worker_sends(n) && fsr_send(j->source, FSR_TAG_REPLY, reply, n, 0) == 0)
+                COUNT(worker_sends); /* eager: complete at once */
             else if (reply != NULL)
                 fsr_queue_out(j->source, FSR_TAG_REPLY, reply, n);
         }
@@ -525,7 +525,7 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
     return Py_BuildValue(
-        "{sisisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "reading", fanstore_remote_reading(), "bells",
+        "{sisisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "reading", fanstore_remote_reading(), "bells",
         fsr_state.gathered == 1, "polls", fsr_stats.polls, "bell_wakes", fsr_stats.bell_wakes, "served", fsr_stats.served,
         "served_io", fsr_stats.served_io, "served_bytes", fsr_stats.served_bytes, "bad_requests", fsr_stats.bad_requests,
         "error_replies", fsr_stats.error_replies, "fetched", fsr_stats.fetched, "fetched_bytes", fsr_stats.fetched_bytes,
@@ -534,5 +534,5 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
         "peak_in_flight", fsr_stats.peak_calls, "c_reads", fsr_stats.c_reads, "c_read_bytes",
         fsr_stats.c_read_bytes, "c_read_fallbacks", fsr_stats.c_read_fallbacks, "cache_offers",
         fsr_stats.cache_offers, "c_range_reads", fsr_stats.c_range_reads, "c_chunk_hits",
-        fsr_stats.c_chunk_hits, "c_fetch_ahead", fsr_stats.c_fetch_ahead, "send_waits", fsr_stats.send_waits);
+        fsr_stats.c_chunk_hits, "c_fetch_ahead", fsr_stats.c_fetch_ahead, "send_waits", fsr_stats.send_waits, "worker_sends", fsr_stats.worker_sends);
 }

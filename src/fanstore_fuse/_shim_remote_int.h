@@ -108,7 +108,7 @@ struct fsr_stats {
     unsigned long long polls, bell_wakes, served, served_io, served_bytes, bad_requests,
         error_replies, fetched, fetched_bytes, corrupt, timeouts, peer_errors, send_errors,
         verified_by_worker, open_calls, peak_calls, c_reads, c_read_bytes, c_read_fallbacks,
-        cache_offers, c_range_reads, c_chunk_hits, c_fetch_ahead, send_waits;
+        cache_offers, c_range_reads, c_chunk_hits, c_fetch_ahead, send_waits, worker_sends;
 };
 extern struct fsr_stats fsr_stats;
 
