@@ -244,6 +244,13 @@ def _mount_small(tmp_path: Path, mount_factory, env: dict):
     return m
 
 
+def _drop_pages(paths: list[Path]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
 def _read_all(mountpoint: str, data: dict[str, bytes]) -> None:
     for name, blob in data.items():
         with open(os.path.join(mountpoint, name), "rb") as f:
@@ -282,12 +289,7 @@ def test_workers_send_their_small_replies(tmp_path, mount_factory, knob):
     parts = [p for p in [*(tmp_path / "local").rglob("*"), *(tmp_path / "dest").rglob("*")]
              if p.is_file()]  # the ranks' copies (here: the blobs are read from DEST itself)
     for name, blob in data.items():  # dropped before every file: read-ahead brings pages back
-        for part in parts:
-            fd = os.open(part, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+        _drop_pages(parts)
         _read_all(m.mountpoints[0], {name: blob})
     c = status_ranks(m.status())[1]["c_remote"]
     assert c["served"] > 0 and c["served_io"] > 0, c
