@@ -66,8 +66,12 @@ EAGER_CELLS = 32  # per rank, in shared memory: 8.3 MiB (MPICH's default 64 cell
 def mpich_shm_defaults(environ: Any = os.environ) -> None:
     """Set MPICH's eager shared-memory limits before `MPI_Init` (every rank runs this, so they
     agree, as MPICH requires). Settings already in the environment win; `FANSTORE_MPI_EAGER=0`
-    keeps MPICH's own. The pack buffers must hold a cell or MPICH aborts at init."""
-    if environ.get("FANSTORE_MPI_EAGER", "1") == "0":
+    keeps MPICH's own, `=1` sets them everywhere. Not by default inside a Slurm job: there the
+    test cluster's `srun --mpi=pmi2` ranks exited during start-up with them (not diagnosed), and
+    one daemon per node has no same-host peer to gain from. The pack buffers must hold a cell
+    or MPICH aborts at init."""
+    mode = environ.get("FANSTORE_MPI_EAGER", "")
+    if mode == "0" or (mode != "1" and "SLURM_JOB_ID" in environ):
         return
     for key, value in (("MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_CELL_SIZE", EAGER_CELL),
                        ("MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_NUM_CELLS", EAGER_CELLS),
