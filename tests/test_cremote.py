@@ -221,3 +221,77 @@ def test_large_remote_reads_in_c(tmp_path, mount_factory, mode):
             assert c["corrupt"] == c["c_read_fallbacks"] == c["timeouts"] == 0, r
     if damaged:
         assert "(C): rank 1: Input/output error" in m.log_text()
+
+
+def _small_tree(tmp_path: Path) -> dict[str, bytes]:
+    rng = random.Random(7)
+    src = tmp_path / "src"
+    src.mkdir()
+    data = {f"f{i:03d}.bin": rng.randbytes(rng.randint(90_000, 130_000)) for i in range(48)}
+    for name, blob in data.items():
+        (src / name).write_bytes(blob)
+    return data
+
+
+def _mount_small(tmp_path: Path, mount_factory, env: dict):
+    dest = prep_cli(tmp_path / "src", tmp_path / "dest", "--chunk-mib", "1", "-p", "4")
+    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=2,
+                      local=str(tmp_path / "local" / "{rank}"), env={"FANSTORE_CACHE_SIZE": "0", **env})
+    deadline = time.monotonic() + 30
+    while not all(r["c_remote"]["ready"] and r["c_remote"]["reading"] for r in status_ranks(m.status())):
+        assert time.monotonic() < deadline, "the C remote threads never became ready"
+        time.sleep(0.05)
+    return m
+
+
+def _drop_pages(paths: list[Path]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def _read_all(mountpoint: str, data: dict[str, bytes]) -> None:
+    for name, blob in data.items():
+        with open(os.path.join(mountpoint, name), "rb") as f:
+            assert f.read() == blob, name
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("eager", [True, False])
+def test_small_replies_are_eager(tmp_path, mount_factory, eager):
+    """Replies of small blobs (90-130 KB here) go through MPICH's eager shared-memory cells
+    (`_transport.mpich_shm_defaults`, on by default): every send is complete when posted, so
+    the serving rank never tests one again (`send_waits` 0). `FANSTORE_MPI_EAGER=0` keeps
+    MPICH's CMA path, whose sends wait for the reader's copy. Every file byte for byte."""
+    data = _small_tree(tmp_path)
+    m = _mount_small(tmp_path, mount_factory, {} if eager else {"FANSTORE_MPI_EAGER": "0"})
+    for mp in m.mountpoints:
+        _read_all(mp, data)
+    rs = status_ranks(m.status())
+    for r in rs:
+        c = r["c_remote"]
+        assert c["served"] > 0 and c["c_reads"] > 0, r
+        assert c["corrupt"] == c["timeouts"] == c["c_read_fallbacks"] == 0, r
+    waits = [r["c_remote"]["send_waits"] for r in rs]
+    assert (waits == [0, 0]) if eager else (sum(waits) > 0), waits
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("knob", ["1", "0"])
+def test_workers_send_their_small_replies(tmp_path, mount_factory, knob):
+    """A request for a blob not in the server's page cache is read by a worker, which sends the
+    (eager) reply itself (`worker_sends`) instead of waking the remote thread to send it;
+    `FANSTORE_CREMOTE_WORKER_SEND=0` queues it to the remote thread. The local copies are
+    dropped from the page cache first (`POSIX_FADV_DONTNEED`), so the reads go to the disk."""
+    data = _small_tree(tmp_path)
+    m = _mount_small(tmp_path, mount_factory, {"FANSTORE_CREMOTE_WORKER_SEND": knob})
+    parts = [p for p in [*(tmp_path / "local").rglob("*"), *(tmp_path / "dest").rglob("*")]
+             if p.is_file()]  # the ranks' copies (here: the blobs are read from DEST itself)
+    for name, blob in data.items():  # dropped before every file: read-ahead brings pages back
+        _drop_pages(parts)
+        _read_all(m.mountpoints[0], {name: blob})
+    c = status_ranks(m.status())[1]["c_remote"]
+    assert c["served"] > 0 and c["served_io"] > 0, c
+    assert c["worker_sends"] == (c["served_io"] if knob == "1" else 0), c
+    assert c["corrupt"] == c["timeouts"] == 0, c

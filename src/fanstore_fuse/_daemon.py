@@ -40,7 +40,7 @@ from ._mountctl import (
 from ._readahead import hold_readahead, set_readahead
 from ._settings import Settings
 from ._startup import Exchange, MappedPages, PeerFailed, Phases, Staged, stage
-from ._transport import Transport
+from ._transport import Transport, mpich_shm_defaults
 from ._view import ENTRY_TIMEOUT, MountView
 from .writes import WriteStore
 
@@ -238,6 +238,7 @@ def communicator(cfg: MountConfig) -> tuple[Any, int, int]:
         return OneRank(), 0, 1
     from mpi4py import rc
 
+    mpich_shm_defaults()  # before MPI_Init
     rc.thread_level = "multiple"
     from mpi4py import MPI
 

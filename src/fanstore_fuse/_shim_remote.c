@@ -230,11 +230,42 @@ void *fsr_worker(void *unused) {
             COUNT(served_io);
             if (reply != NULL && fsr_direct && fsr_mpi_fresh())
                 fsr_send(j->source, FSR_TAG_REPLY, reply, n, 2e-3); /* no hop to the remote thread */
+            else if (reply != NULL && fsr_worker_sends(n) && fsr_send(j->source, FSR_TAG_REPLY, reply, n, 0) == 0)
+                COUNT(worker_sends); /* eager: complete at once */
             else if (reply != NULL)
                 fsr_queue_out(j->source, FSR_TAG_REPLY, reply, n);
         }
         free(j);
     }
+}
+
+/* Deadlines of calls in flight, every REAP_NS, on a thread that never calls MPI: a worker that
+ * sends its reply itself (fsr_worker_sends) may block inside MPI when a peer dies, and no reader
+ * may wait on that. */
+static pthread_t reaper;
+static pthread_cond_t reap_cond = PTHREAD_COND_INITIALIZER;
+#define REAP_NS 200000000
+
+static void *fsr_reaper(void *unused) {
+    (void)unused;
+    pthread_mutex_lock(&fsr_state.lock);
+    while (!fsr_state.stopping) {
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_nsec += REAP_NS;
+        if (until.tv_nsec >= 1000000000) {
+            until.tv_sec++;
+            until.tv_nsec -= 1000000000;
+        }
+        pthread_cond_timedwait(&reap_cond, &fsr_state.lock, &until);
+        if (fsr_state.stopping)
+            break;
+        pthread_mutex_unlock(&fsr_state.lock);
+        fsr_reap(fsr_now(), 0);
+        pthread_mutex_lock(&fsr_state.lock);
+    }
+    pthread_mutex_unlock(&fsr_state.lock);
+    return NULL;
 }
 
 /* ------------------------------------------------------------------ the C API */
@@ -381,6 +412,10 @@ PyObject *fanstore_py_remote_start(PyObject *self, PyObject *args) {
             abort(); /* the remote thread runs: it needs its workers */
         pthread_setname_np(fsr_state.workers[i], "fsr-worker");
     }
+    if (ok && pthread_create(&reaper, NULL, fsr_reaper, NULL) != 0)
+        abort(); /* calls would have no deadline */
+    if (ok)
+        pthread_setname_np(reaper, "fsr-reaper");
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (!ok) {
         PyErr_SetString(PyExc_OSError, "cannot start the remote thread");
@@ -400,13 +435,17 @@ PyObject *fanstore_py_remote_stop(PyObject *self, PyObject *unused) {
     pthread_mutex_lock(&fsr_state.lock);
     __atomic_store_n(&fsr_state.stopping, 1, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&fsr_state.job_cond);
+    pthread_cond_broadcast(&reap_cond);
     pthread_mutex_unlock(&fsr_state.lock);
     fsr_poke(fsr_state.wake_fd);
-    for (int i = 0; i < WORKERS; i++)
-        pthread_join(fsr_state.workers[i], NULL);
+    pthread_join(reaper, NULL);
     struct timespec until;
     clock_gettime(CLOCK_REALTIME, &until);
-    until.tv_sec += 3; /* a thread stuck in MPI (a dead peer's netmod) is left behind */
+    until.tv_sec += 3; /* a thread stuck in MPI (a dead peer's netmod) is left behind; workers
+                          call MPI too when they send their replies */
+    for (int i = 0; i < WORKERS; i++)
+        if (pthread_timedjoin_np(fsr_state.workers[i], NULL, &until) != 0)
+            stuck = 1;
     if (pthread_timedjoin_np(fsr_state.thread, NULL, &until) != 0)
         stuck = 1;
     Py_END_ALLOW_THREADS;
@@ -486,7 +525,7 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
     return Py_BuildValue(
-        "{sisisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "reading", fanstore_remote_reading(), "bells",
+        "{sisisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "reading", fanstore_remote_reading(), "bells",
         fsr_state.gathered == 1, "polls", fsr_stats.polls, "bell_wakes", fsr_stats.bell_wakes, "served", fsr_stats.served,
         "served_io", fsr_stats.served_io, "served_bytes", fsr_stats.served_bytes, "bad_requests", fsr_stats.bad_requests,
         "error_replies", fsr_stats.error_replies, "fetched", fsr_stats.fetched, "fetched_bytes", fsr_stats.fetched_bytes,
@@ -495,5 +534,5 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
         "peak_in_flight", fsr_stats.peak_calls, "c_reads", fsr_stats.c_reads, "c_read_bytes",
         fsr_stats.c_read_bytes, "c_read_fallbacks", fsr_stats.c_read_fallbacks, "cache_offers",
         fsr_stats.cache_offers, "c_range_reads", fsr_stats.c_range_reads, "c_chunk_hits",
-        fsr_stats.c_chunk_hits, "c_fetch_ahead", fsr_stats.c_fetch_ahead, "send_waits", fsr_stats.send_waits);
+        fsr_stats.c_chunk_hits, "c_fetch_ahead", fsr_stats.c_fetch_ahead, "send_waits", fsr_stats.send_waits, "worker_sends", fsr_stats.worker_sends);
 }

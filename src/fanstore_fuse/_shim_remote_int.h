@@ -108,7 +108,7 @@ struct fsr_stats {
     unsigned long long polls, bell_wakes, served, served_io, served_bytes, bad_requests,
         error_replies, fetched, fetched_bytes, corrupt, timeouts, peer_errors, send_errors,
         verified_by_worker, open_calls, peak_calls, c_reads, c_read_bytes, c_read_fallbacks,
-        cache_offers, c_range_reads, c_chunk_hits, c_fetch_ahead, send_waits;
+        cache_offers, c_range_reads, c_chunk_hits, c_fetch_ahead, send_waits, worker_sends;
 };
 extern struct fsr_stats fsr_stats;
 
@@ -156,6 +156,11 @@ int fsr_send(int dest, int tag, char *buf, size_t n, double linger);
 /* Send call `id`'s request (`h`, taken over) from this thread; a refusal ends the call (EIO). */
 void fsr_send_request(const struct call *proto, uint64_t id, struct fsr_header *h);
 void fsr_read_knobs(void); /* FANSTORE_CREMOTE_DIRECT, FANSTORE_MPI_BELL_IDLE (remote_start) */
+/* Whether a worker sends its reply of n bytes itself (FANSTORE_CREMOTE_WORKER_SEND, on by
+ * default): only a reply that is likely eager, and only while the remote thread is not stuck in
+ * MPI. Deadlines are enforced by a reaper thread that never calls MPI. */
+int fsr_worker_sends(size_t n);
+#define FSR_EAGER_MAX (256u << 10) /* as _transport.EAGER_BYTES */
 extern int fsr_direct; /* requests and workers' replies sent by their own thread (else: queued) */
 /* Whether the remote thread is not stuck inside MPI (in it for STUCK_NS or more, as on a dead
  * node's netmod): only then do other threads call MPI themselves (a READ's FUSE thread must

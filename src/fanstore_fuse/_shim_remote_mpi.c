@@ -12,6 +12,7 @@
 struct fsr_mpi fsr_mpi;
 double fsr_idle = 0.05;
 int fsr_direct = 0;
+static int worker_send = 0;
 
 const char *fsr_find_mpi(const char *path) {
     void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
@@ -126,6 +127,15 @@ void fsr_read_knobs(void) {
     fsr_direct = direct != NULL && strcmp(direct, "1") == 0;
     const char *idle = getenv("FANSTORE_MPI_BELL_IDLE"); /* as the Python MPI thread's */
     fsr_idle = idle != NULL && atof(idle) > 0 ? atof(idle) : 0.05;
+    const char *ws = getenv("FANSTORE_CREMOTE_WORKER_SEND"); /* 0: workers queue every reply */
+    worker_send = ws == NULL || strcmp(ws, "0") != 0;
+}
+
+int fsr_worker_sends(size_t n) {
+    /* eager below this between ranks of one host (_transport.mpich_shm_defaults): the send is
+     * complete when posted, so the worker neither waits nor wakes the remote thread; a send not
+     * complete at its first test is handed to the remote thread (fsr_send, linger 0) */
+    return worker_send && n <= FSR_EAGER_MAX && fsr_mpi_fresh();
 }
 
 static int fsr_progress_sends(void) {

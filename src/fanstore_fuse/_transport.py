@@ -52,6 +52,36 @@ MAX_SERVING = 64  # concurrent requests served per daemon
 IO_THREADS = 4  # threads reading the disk for inline requests the page cache cannot answer
 
 
+# MPICH's shared-memory path between ranks of one host sends a message of 8 KiB or more by CMA
+# (the receiver copies it with process_vm_readv, then acknowledges): the sender's request ends
+# only when its progress sees that acknowledgement, so the C remote thread of a rank serving a
+# small blob woke 2-3 more times per reply to test it (docs/performance.md, seventh session).
+# Below EAGER_BYTES a reply is copied into a shared-memory cell instead and its send is
+# complete at once; larger ones (chunks of large files) keep the single copy of CMA.
+EAGER_BYTES = 256 << 10
+EAGER_CELL = EAGER_BYTES + (4 << 10)  # a reply of EAGER_BYTES and MPICH's headers fit a cell
+EAGER_CELLS = 32  # per rank, in shared memory: 8.3 MiB (MPICH's default 64 cells of 8 KiB)
+
+
+def mpich_shm_defaults(environ: Any = os.environ) -> None:
+    """Set MPICH's eager shared-memory limits before `MPI_Init` (every rank runs this, so they
+    agree, as MPICH requires). Settings already in the environment win; `FANSTORE_MPI_EAGER=0`
+    keeps MPICH's own, `=1` sets them everywhere. Not by default inside a Slurm job: there the
+    test cluster's `srun --mpi=pmi2` ranks exited during start-up with them (not diagnosed), and
+    one daemon per node has no same-host peer to gain from. The pack buffers must hold a cell
+    or MPICH aborts at init."""
+    mode = environ.get("FANSTORE_MPI_EAGER", "")
+    if mode == "0" or (mode != "1" and "SLURM_JOB_ID" in environ):
+        return
+    for key, value in (("MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_CELL_SIZE", EAGER_CELL),
+                       ("MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_NUM_CELLS", EAGER_CELLS),
+                       ("MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD", EAGER_BYTES)):
+        environ.setdefault(key, str(value))
+    cell = int(environ["MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_CELL_SIZE"])
+    if int(environ.get("MPIR_CVAR_CH4_PACK_BUFFER_SIZE", "16384")) < cell:
+        environ["MPIR_CVAR_CH4_PACK_BUFFER_SIZE"] = str(cell)
+
+
 class RemoteError(FanstoreError):
     """An error answer from a peer, carrying the peer's errno."""
 
