@@ -46,22 +46,30 @@ def cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def thread_cpu() -> dict[str, float]:
-    """CPU seconds (user+sys) of this process's threads, summed by thread name."""
+def thread_cpu(kind: str = "run") -> dict[str, float]:
+    """Seconds of this process's threads, summed by thread name, from each thread's schedstat
+    (ns, not the 10 ms ticks of /proc/PID/task/TID/stat): `run` on a CPU, or `wait` runnable on a
+    run queue (waiting for a CPU: what other load costs the thread)."""
     out: dict[str, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
+    col = 0 if kind == "run" else 1
     names = {t.native_id: t.name for t in threading.enumerate()}
     for tid in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                name, rest = f.read().rsplit(")", 1)
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[col])
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()  # C threads: their own name (fsr-remote, fsr-worker)
         except OSError:
             continue
-        fields = rest.split()
-        comm = name.split("(", 1)[-1]  # C threads: their own name (fsr-remote, fsr-worker)
         key = names.get(int(tid), comm).split("_")[0].split(" ")[0]
-        out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        out[key] = out.get(key, 0.0) + ns / 1e9
     return out
+
+
+def per_gb(before: dict[str, float], after: dict[str, float], nbytes: float) -> dict[str, int]:
+    """ms per GB by thread name between two `thread_cpu` samples (threads above 0 ms only)."""
+    d = {k: round((v - before.get(k, 0)) / nbytes * 1e12) for k, v in after.items() if k != "polls"}
+    return {k: v for k, v in d.items() if v}
 
 
 def raw_stream(comm, size: int, count: int) -> float:
@@ -180,6 +188,7 @@ def main() -> None:
 
             c0, t0 = cpu(), time.perf_counter()
             client_threads.append(thread_cpu())
+            w0 = thread_cpu("wait")
             async with trio.open_nursery() as n:
                 for _ in range(a.window):
                     n.start_soon(worker)
@@ -188,12 +197,16 @@ def main() -> None:
                         await send.send(b)
             dt = time.perf_counter() - t0
             client_threads.append(thread_cpu())
+            w1 = thread_cpu("wait")
             before, after = client_threads[-2:]
             out["large"] = {"blobs": len(large) * a.large_rounds, "window": a.window,
-                            "MB_per_s": nbytes / dt / 1e6,
+                            "MB_per_s": nbytes / dt / 1e6, "wall_ms_per_GB": dt / nbytes * 1e12,
                             "client_cpu_ms_per_GB": (cpu() - c0) / nbytes * 1e12,
-                            "client_threads_ms_per_GB": {k: round((v - before.get(k, 0)) / nbytes * 1e12)
-                                                         for k, v in after.items()}}
+                            "client_threads_ms_per_GB": per_gb(before, after, nbytes),
+                            "client_runqueue_ms_per_GB": per_gb(w0, w1, nbytes),
+                            "stats": {k: v for k, v in c_remote.shim.remote_stats().items()
+                                      if k in ("peak_in_flight", "fetched", "verified_by_worker")}
+                            if c_remote is not None else {}}
         await mark("done")
 
     async def mark(name: str) -> None:
@@ -202,6 +215,7 @@ def main() -> None:
 
     marks: dict[str, float] = {}
     threads: dict[str, dict[str, float]] = {}
+    waits: dict[str, dict[str, float]] = {}
 
     async def server() -> None:
         # phase marks from rank 0 on a duplicate communicator (the MPI thread never sees them)
@@ -211,6 +225,7 @@ def main() -> None:
                 marks[name] = cpu()
                 threads[name] = thread_cpu()
                 threads[name]["polls"] = transport.polls
+                waits[name] = thread_cpu("wait")
             await trio.sleep(0.05)
 
     async def run() -> None:
@@ -225,15 +240,18 @@ def main() -> None:
 
     trio.run(run)
     if rank == 1:
-        ctl.send((marks, threads), dest=0, tag=10)
+        ctl.send((marks, threads, waits, c_remote.shim.remote_stats() if c_remote else {}), dest=0, tag=10)
     else:
-        marks, threads = ctl.recv(source=1, tag=10)
+        marks, threads, waits, sstats = ctl.recv(source=1, tag=10)
         if "large" in out:  # the server's CPU between the marks around the large phase
             gb = out["large"]["blobs"] * out["raw_message_bytes"] / 1e12
             out["large"]["server_cpu_ms_per_GB"] = (marks["done"] - marks["small_end"]) / gb
             t0, t1 = threads["small_end"], threads["done"]
             out["large"]["server_threads_ms_per_GB"] = {
                 k: round((v - t0.get(k, 0)) / gb) for k, v in t1.items() if k != "polls"}
+            out["large"]["server_runqueue_ms_per_GB"] = per_gb(waits["small_end"], waits["done"], gb * 1e12)
+            out["large"]["server_stats"] = {k: v for k, v in sstats.items()
+                                            if k in ("served", "served_io", "served_mapped")}
         if "small" in out:
             out["small"]["server_cpu_us"] = (marks["small_end"] - marks["small_start"]) / len(small) * 1e6
             out["small"]["cpu_us"] = out["small"]["server_cpu_us"] + out["small"]["client_cpu_us"]

@@ -7,7 +7,7 @@
 
 /* The reply to a FRAMES request for blob `req->blob`'s raw bytes [req->lo, req->hi): as
  * fsr_serve (nowait: page cache only, NULL and *again when the disk must be read). */
-char *fsr_serve_frames(const struct fsr_header *req, int nowait, size_t *n, int *again) {
+char *fsr_serve_frames(const struct fsr_header *req, int nowait, size_t *n, int *again, int *tag) {
     const struct fanstore_blobs *bl = &fanstore_blobs;
     uint64_t b = req->blob;
     if (b >= bl->n || !fanstore_blob_held(b))
@@ -26,6 +26,11 @@ char *fsr_serve_frames(const struct fsr_header *req, int nowait, size_t *n, int 
     uint64_t tlen = t->offsets[0], flo = t->offsets[k0], fhi = t->offsets[k1 + 1];
     fanstore_table_put(t);
     size_t len = (size_t)(tlen + fhi - flo);
+    if (flo == tlen && fhi == bl->stored[b]) { /* every stored byte: sent bare */
+        char *bare = fsr_serve_bare(req, len, nowait, n, again, tag);
+        if (bare != NULL || *again)
+            return bare;
+    }
     char *buf = malloc(sizeof(struct fsr_header) + len);
     if (buf == NULL)
         return fsr_error_reply(req, ENOMEM, n);
@@ -66,8 +71,11 @@ void fsr_verify_frames(struct call *c, char *buf, size_t n) {
     if (rc == FANSTORE_BLOB_OK) {
         uint32_t k0 = (uint32_t)(c->lo / t->frame_size), k1 = (uint32_t)((c->hi - 1) / t->frame_size);
         uint64_t tlen = t->offsets[0];
-        if (k1 >= t->count || h->lo != t->offsets[k0] || h->hi != t->offsets[k1 + 1] ||
-            len != tlen + h->hi - h->lo)
+        /* a bare reply's header (lo 0: every stored byte from the blob's start) is this
+         * rank's own, from the call: the same layout, table then frames */
+        uint64_t flo = h->lo == 0 && k0 == 0 ? tlen : h->lo;
+        if (k1 >= t->count || flo != t->offsets[k0] || h->hi != t->offsets[k1 + 1] ||
+            len != tlen + h->hi - flo)
             rc = FANSTORE_BLOB_CORRUPT;
         else if (!fanstore_frames_raw(t, k0, k1) &&
                  (out = malloc((size_t)(k1 - k0 + 1) * t->frame_size)) == NULL)
