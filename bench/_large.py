@@ -62,7 +62,8 @@ def read_chunks(path: str, chunks: list[int], chunk: int = 4 << 20, step: int = 
 def run_large(work: Path, src: Path, rounds: int) -> dict:
     """Remote large reads against raw MPI, same run, same `mpiexec` of the wheel, same env:
     `bench._transport_bw` (raw mpi4py stream of 4 MiB messages, then the daemon's transport
-    fetching the same blobs, each run 5 rounds of them), and a 2-rank mount read through
+    fetching the same blobs, each run 5 rounds of them: through Python's blob source, the bar's
+    figure, then as READs in C fetch them), and a 2-rank mount read through
     rank 0, chunks held by rank 1 only: cold (drop_caches: the server reads its disk), then
     with the server's page cache warm (the client's dropped by fadvise; its blob cache of 8
     chunks holds none of them when they are read again: every chunk travels). Beside them, the
@@ -94,6 +95,9 @@ def run_large(work: Path, src: Path, rounds: int) -> dict:
         out["transport"] = best[len(best) // 2]
         out["transport_ratio_runs"] = [round(d["large"]["MB_per_s"] / d["raw_stream_MB_per_s"], 3)
                                        for d in runs]
+        if all("c_large" in d for d in runs):  # the transport as READs in C use it
+            out["c_transport_ratio_runs"] = [round(d["c_large"]["MB_per_s"] / d["raw_stream_MB_per_s"], 3)
+                                             for d in runs]
     chunks = remote_chunks(ldest, rel)
     out.update(local_large(work, ldest, rel, chunks, rounds))
     # a blob cache of 8 chunks: one smaller than a chunk would fetch the chunk again per 128 KiB read
@@ -150,6 +154,11 @@ def print_large(lg: dict) -> None:
               f"the daemon's transport (fetch + verify, {t['large']['window']} in flight): "
               f"{t['large']['MB_per_s']:,.0f} MB/s = {t['large']['MB_per_s'] / raw:.2f}x "
               f"(runs {lg['transport_ratio_runs']}; bar >= 0.5x)")
+        if "c_large" in t:
+            c = t["c_large"]
+            print(f"    the same blobs fetched as READs in C fetch them (no Python per blob): "
+                  f"{c['MB_per_s']:,.0f} MB/s = {c['MB_per_s'] / raw:.2f}x "
+                  f"(runs {lg['c_transport_ratio_runs']})")
         print(f"    through FUSE (rank 0's mount, 1 MiB preads): cold {lg['fuse_cold_MB_per_s']:,.0f} "
               f"MB/s = {lg['fuse_cold_MB_per_s'] / raw:.2f}x, server page cache warm "
               f"{lg['fuse_warm_server_MB_per_s']:,.0f} MB/s = "

@@ -10,7 +10,13 @@ source (request, the serving rank's handler, reply, verify, decode):
 - ``small``: the blobs of at most 4 MiB that only rank 1 holds, one at a time: latency p50/p99
   and the CPU time (user+sys) of both processes per fetch;
 - ``large``: the 4 MiB blobs that only rank 1 holds, ``--window`` in flight (as the daemon's
-  read-ahead keeps them): MB/s of stored bytes.
+  read-ahead keeps them), through the rank's blob source (Python's consumer: a trio task per
+  blob, the bytes decoded into a ``bytes`` object): MB/s of stored bytes;
+- ``c_large``: the same blobs fetched as READs in C fetch them (``remote_bench``: whole
+  chunks, raw frames checked where they were received, no Python per blob), same window: the
+  transport without Python's consumer.
+Each phase reports, by thread of both processes, the time on a CPU and the time runnable but
+waiting for one (schedstat), per GB, beside the wall time per GB.
 Before the transport starts, in the same ranks: a raw mpi4py stream of messages of the large
 blobs' size (``Isend`` from rank 1, ``Recv`` at rank 0, distinct buffers, one ack at the end) and
 a raw request/reply ping-pong of the small blobs' size, the anchors. Prints one JSON line.
@@ -207,6 +213,19 @@ def main() -> None:
                             "stats": {k: v for k, v in c_remote.shim.remote_stats().items()
                                       if k in ("peak_in_flight", "fetched", "verified_by_worker")}
                             if c_remote is not None else {}}
+            if c_remote is not None:  # the same blobs as READs in C fetch them: no Python per blob
+                await mark("c_start")
+                blobs = np.array(large * a.large_rounds, np.uint64)
+                owners = np.ones(len(blobs), np.int32)
+                t0, r0, w0 = time.perf_counter(), thread_cpu(), thread_cpu("wait")
+                got, failed = await trio.to_thread.run_sync(
+                    c_remote.shim.remote_bench, owners.tobytes(), blobs.tobytes(), a.window, 10.0)
+                dt = time.perf_counter() - t0
+                out["c_large"] = {"blobs": len(blobs), "window": a.window, "failed": failed,
+                                  "MB_per_s": got / dt / 1e6, "wall_ms_per_GB": dt / got * 1e12,
+                                  "client_threads_ms_per_GB": per_gb(r0, thread_cpu(), got),
+                                  "client_runqueue_ms_per_GB": per_gb(w0, thread_cpu("wait"), got)}
+                await mark("c_end")
         await mark("done")
 
     async def mark(name: str) -> None:
@@ -243,13 +262,18 @@ def main() -> None:
         ctl.send((marks, threads, waits, c_remote.shim.remote_stats() if c_remote else {}), dest=0, tag=10)
     else:
         marks, threads, waits, sstats = ctl.recv(source=1, tag=10)
+        end = "c_start" if "c_start" in marks else "done"
+        if "c_large" in out:
+            nb = out["c_large"]["blobs"] * out["raw_message_bytes"]
+            out["c_large"]["server_threads_ms_per_GB"] = per_gb(threads["c_start"], threads["c_end"], nb)
+            out["c_large"]["server_runqueue_ms_per_GB"] = per_gb(waits["c_start"], waits["c_end"], nb)
         if "large" in out:  # the server's CPU between the marks around the large phase
             gb = out["large"]["blobs"] * out["raw_message_bytes"] / 1e12
-            out["large"]["server_cpu_ms_per_GB"] = (marks["done"] - marks["small_end"]) / gb
-            t0, t1 = threads["small_end"], threads["done"]
+            out["large"]["server_cpu_ms_per_GB"] = (marks[end] - marks["small_end"]) / gb
+            t0, t1 = threads["small_end"], threads[end]
             out["large"]["server_threads_ms_per_GB"] = {
                 k: round((v - t0.get(k, 0)) / gb) for k, v in t1.items() if k != "polls"}
-            out["large"]["server_runqueue_ms_per_GB"] = per_gb(waits["small_end"], waits["done"], gb * 1e12)
+            out["large"]["server_runqueue_ms_per_GB"] = per_gb(waits["small_end"], waits[end], gb * 1e12)
             out["large"]["server_stats"] = {k: v for k, v in sstats.items()
                                             if k in ("served", "served_io", "served_mapped")}
         if "small" in out:

@@ -116,6 +116,7 @@ PyObject *fanstore_py_remote_stop(PyObject *self, PyObject *unused);
 PyObject *fanstore_py_remote_fetch(PyObject *self, PyObject *args);
 PyObject *fanstore_py_remote_take(PyObject *self, PyObject *unused);
 PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused);
+PyObject *fanstore_py_remote_bench(PyObject *self, PyObject *args); /* _shim_remote_range.c */
 
 #define FANSTORE_REMOTE_METHODS                                                                  \
     {"remote_start", fanstore_py_remote_start, METH_VARARGS,                                     \
@@ -131,6 +132,10 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused);
      "take (status 0 or a negative errno); clears the eventfd"},                                 \
     {"remote_stats", fanstore_py_remote_stats, METH_NOARGS,                                      \
      "remote_stats(): the remote thread's counters (dict)"},                                     \
+    {"remote_bench", fanstore_py_remote_bench, METH_VARARGS,                                     \
+     "remote_bench(owners, blobs, window, timeout): fetch these whole blobs as READs in C do "    \
+     "(framed: kept, raw frames checked in place), `window` in flight, GIL released; returns "   \
+     "(raw bytes verified, failures) (bench._transport_bw)"},                                    \
     {"remote_read_start", fanstore_py_remote_read_start, METH_VARARGS,                           \
      "remote_read_start(fallback, timeout, cache_index or None): READs of blobs held elsewhere " \
      "through the remote thread from now on (once remote_owners published the owners)"},        \

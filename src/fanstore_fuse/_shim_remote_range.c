@@ -3,6 +3,9 @@
  * the table against the manifest's xxh3 and every frame against its own, and hands out only
  * the bytes asked for. A READ of 128 KiB inside a remote 4 MiB chunk then moves 128 KiB and a
  * table (3 KiB for 256 frames of 16 KiB), not the chunk. The wire format: _shim_remote.h. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
 #include "_shim_remote_int.h"
 
 /* The reply to a FRAMES request for blob `req->blob`'s raw bytes [req->lo, req->hi): as
@@ -120,4 +123,82 @@ int fanstore_remote_fetch_kept(int owner, uint64_t blob, uint64_t lo, uint64_t h
                                fanstore_remote_kept kept, void *ctx) {
     struct call proto = {.blob = blob, .owner = owner, .lo = lo, .hi = hi, .kept = kept, .ctx = ctx};
     return frames_call(&proto, timeout);
+}
+
+/* ------------------------------------------------------------------ remote_bench */
+
+static struct {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    int open, failed;
+    uint64_t bytes;
+} bench = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0};
+
+static void bench_done(int status, size_t n) {
+    pthread_mutex_lock(&bench.lock);
+    bench.open--;
+    if (status == 0)
+        bench.bytes += n;
+    else
+        bench.failed++;
+    pthread_cond_signal(&bench.cond);
+    pthread_mutex_unlock(&bench.lock);
+}
+
+static void bench_kept(void *ctx, int status, const char *bytes, size_t n, void *mem) {
+    (void)ctx;
+    (void)bytes;
+    free(mem);
+    bench_done(status, n);
+}
+
+static void bench_whole(void *ctx, int status, char *raw, size_t n) {
+    (void)ctx;
+    free(raw);
+    bench_done(status, n);
+}
+
+/* remote_bench(owners, blobs, window, timeout): the whole blobs fetched as the chunk cache of
+ * _shim_remote_read.c fetches them (no Python per blob, no copy after the check), `window`
+ * calls in flight: the transport alone, for bench._transport_bw. */
+PyObject *fanstore_py_remote_bench(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer own, ids;
+    int window;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "y*y*id", &own, &ids, &window, &timeout))
+        return NULL;
+    size_t n = (size_t)ids.len / 8;
+    const int32_t *o = own.buf;
+    const uint64_t *b = ids.buf;
+    if ((size_t)own.len != 4 * n || window < 1) {
+        PyBuffer_Release(&own);
+        PyBuffer_Release(&ids);
+        PyErr_SetString(PyExc_ValueError, "owners: one i32 per u64 blob id; window >= 1");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS;
+    bench.open = bench.failed = 0;
+    bench.bytes = 0;
+    for (size_t i = 0; i < n; i++) {
+        pthread_mutex_lock(&bench.lock);
+        while (bench.open >= window)
+            pthread_cond_wait(&bench.cond, &bench.lock);
+        bench.open++;
+        pthread_mutex_unlock(&bench.lock);
+        int rc = b[i] >= fanstore_blobs.n ? -EINVAL
+                 : fanstore_blobs.codec[b[i]] == FANSTORE_CODEC_FRAMED
+                     ? fanstore_remote_fetch_kept(o[i], b[i], 0, fanstore_blobs.raw[b[i]], timeout, bench_kept, NULL)
+                     : fanstore_remote_fetch(o[i], b[i], timeout, bench_whole, NULL);
+        if (rc != 0)
+            bench_done(rc, 0);
+    }
+    pthread_mutex_lock(&bench.lock);
+    while (bench.open > 0)
+        pthread_cond_wait(&bench.cond, &bench.lock);
+    pthread_mutex_unlock(&bench.lock);
+    Py_END_ALLOW_THREADS;
+    PyBuffer_Release(&own);
+    PyBuffer_Release(&ids);
+    return Py_BuildValue("(Ki)", (unsigned long long)bench.bytes, bench.failed);
 }
