@@ -47,7 +47,7 @@ char *fsr_serve(const struct fsr_header *req, int nowait, size_t *n, int *again,
     if (req->lo > req->hi || req->hi > fanstore_blobs.stored[b])
         return fsr_error_reply(req, EINVAL, n);
     size_t len = (size_t)(req->hi - req->lo);
-    char *bare = req->lo == 0 ? fsr_serve_bare(req, len, nowait, n, again, tag) : NULL;
+    char *bare = len == fanstore_blobs.stored[b] ? fsr_serve_bare(req, len, nowait, n, again, tag) : NULL;
     if (bare != NULL || *again)
         return bare;
     char *buf = malloc(sizeof(struct fsr_header) + len);
@@ -278,13 +278,6 @@ int fsr_add_call(const struct call *proto, double timeout) {
     }
     fsr_send_request(proto, id, h);
     return 0;
-}
-
-int fanstore_remote_fetch(int owner, uint64_t blob, double timeout, fanstore_remote_done done, void *ctx) {
-    struct call proto = {.blob = blob, .owner = owner, .op = FSR_OP_FETCH, .done = done, .ctx = ctx};
-    if (blob < fanstore_blobs.n)
-        proto.hi = fanstore_blobs.stored[blob];
-    return fsr_add_call(&proto, timeout);
 }
 
 /* ------------------------------------------------------------------ Python */

@@ -1,8 +1,10 @@
-/* Remote reads of part of a framed blob (FSR_OP_FRAMES, issue 11): the server sends the
+/* The C API of calls (fanstore_remote_fetch and the range variants), and remote reads of part
+ * of a framed blob (FSR_OP_FRAMES, issue 11): the server sends the
  * blob's frame table and the stored frames that cover a raw byte range; the requester checks
  * the table against the manifest's xxh3 and every frame against its own, and hands out only
  * the bytes asked for. A READ of 128 KiB inside a remote 4 MiB chunk then moves 128 KiB and a
- * table (3 KiB for 256 frames of 16 KiB), not the chunk. The wire format: _shim_remote.h. */
+ * table (3 KiB for 256 frames of 16 KiB), not the chunk. The wire format: _shim_remote.h.
+ * remote_bench: whole blobs fetched as READs in C fetch them, for bench._transport_bw. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -111,6 +113,13 @@ static int frames_call(struct call *proto, double timeout) {
         return -EINVAL;
     proto->op = FSR_OP_FRAMES;
     return fsr_add_call(proto, timeout);
+}
+
+int fanstore_remote_fetch(int owner, uint64_t blob, double timeout, fanstore_remote_done done, void *ctx) {
+    struct call proto = {.blob = blob, .owner = owner, .op = FSR_OP_FETCH, .done = done, .ctx = ctx};
+    if (blob < fanstore_blobs.n)
+        proto.hi = fanstore_blobs.stored[blob];
+    return fsr_add_call(&proto, timeout);
 }
 
 int fanstore_remote_fetch_range(int owner, uint64_t blob, uint64_t lo, uint64_t hi, double timeout,

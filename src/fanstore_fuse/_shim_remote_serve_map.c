@@ -140,7 +140,7 @@ void fsr_answered_bare(char *buf, size_t n, int source, int tag) {
             h.id = c->id;
             h.blob = c->blob;
             h.lo = c->op == FSR_OP_FETCH ? c->lo : 0; /* FRAMES: lo 0 = from the blob's start */
-            h.hi = fanstore_blobs.stored[c->blob];
+            h.hi = c->op == FSR_OP_FETCH ? c->hi : fanstore_blobs.stored[c->blob];
             break;
         }
     pthread_mutex_unlock(&fsr_state.lock);
