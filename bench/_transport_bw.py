@@ -10,7 +10,13 @@ source (request, the serving rank's handler, reply, verify, decode):
 - ``small``: the blobs of at most 4 MiB that only rank 1 holds, one at a time: latency p50/p99
   and the CPU time (user+sys) of both processes per fetch;
 - ``large``: the 4 MiB blobs that only rank 1 holds, ``--window`` in flight (as the daemon's
-  read-ahead keeps them): MB/s of stored bytes.
+  read-ahead keeps them), through the rank's blob source (Python's consumer: a trio task per
+  blob, the bytes decoded into a ``bytes`` object): MB/s of stored bytes;
+- ``c_large``: the same blobs fetched as READs in C fetch them (``remote_bench``: whole
+  chunks, raw frames checked where they were received, no Python per blob), same window: the
+  transport without Python's consumer.
+Each phase reports, by thread of both processes, the time on a CPU and the time runnable but
+waiting for one (schedstat), per GB, beside the wall time per GB.
 Before the transport starts, in the same ranks: a raw mpi4py stream of messages of the large
 blobs' size (``Isend`` from rank 1, ``Recv`` at rank 0, distinct buffers, one ack at the end) and
 a raw request/reply ping-pong of the small blobs' size, the anchors. Prints one JSON line.
@@ -46,22 +52,30 @@ def cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def thread_cpu() -> dict[str, float]:
-    """CPU seconds (user+sys) of this process's threads, summed by thread name."""
+def thread_cpu(kind: str = "run") -> dict[str, float]:
+    """Seconds of this process's threads, summed by thread name, from each thread's schedstat
+    (ns, not the 10 ms ticks of /proc/PID/task/TID/stat): `run` on a CPU, or `wait` runnable on a
+    run queue (waiting for a CPU: what other load costs the thread)."""
     out: dict[str, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
+    col = 0 if kind == "run" else 1
     names = {t.native_id: t.name for t in threading.enumerate()}
     for tid in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                name, rest = f.read().rsplit(")", 1)
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[col])
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()  # C threads: their own name (fsr-remote, fsr-worker)
         except OSError:
             continue
-        fields = rest.split()
-        comm = name.split("(", 1)[-1]  # C threads: their own name (fsr-remote, fsr-worker)
         key = names.get(int(tid), comm).split("_")[0].split(" ")[0]
-        out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        out[key] = out.get(key, 0.0) + ns / 1e9
     return out
+
+
+def per_gb(before: dict[str, float], after: dict[str, float], nbytes: float) -> dict[str, int]:
+    """ms per GB by thread name between two `thread_cpu` samples (threads above 0 ms only)."""
+    d = {k: round((v - before.get(k, 0)) / nbytes * 1e12) for k, v in after.items() if k != "polls"}
+    return {k: v for k, v in d.items() if v}
 
 
 def raw_stream(comm, size: int, count: int) -> float:
@@ -180,6 +194,7 @@ def main() -> None:
 
             c0, t0 = cpu(), time.perf_counter()
             client_threads.append(thread_cpu())
+            w0 = thread_cpu("wait")
             async with trio.open_nursery() as n:
                 for _ in range(a.window):
                     n.start_soon(worker)
@@ -188,12 +203,29 @@ def main() -> None:
                         await send.send(b)
             dt = time.perf_counter() - t0
             client_threads.append(thread_cpu())
+            w1 = thread_cpu("wait")
             before, after = client_threads[-2:]
             out["large"] = {"blobs": len(large) * a.large_rounds, "window": a.window,
-                            "MB_per_s": nbytes / dt / 1e6,
+                            "MB_per_s": nbytes / dt / 1e6, "wall_ms_per_GB": dt / nbytes * 1e12,
                             "client_cpu_ms_per_GB": (cpu() - c0) / nbytes * 1e12,
-                            "client_threads_ms_per_GB": {k: round((v - before.get(k, 0)) / nbytes * 1e12)
-                                                         for k, v in after.items()}}
+                            "client_threads_ms_per_GB": per_gb(before, after, nbytes),
+                            "client_runqueue_ms_per_GB": per_gb(w0, w1, nbytes),
+                            "stats": {k: v for k, v in c_remote.shim.remote_stats().items()
+                                      if k in ("peak_in_flight", "fetched", "verified_by_worker")}
+                            if c_remote is not None else {}}
+            if c_remote is not None:  # the same blobs as READs in C fetch them: no Python per blob
+                await mark("c_start")
+                blobs = np.array(large * a.large_rounds, np.uint64)
+                owners = np.ones(len(blobs), np.int32)
+                t0, r0, w0 = time.perf_counter(), thread_cpu(), thread_cpu("wait")
+                got, failed = await trio.to_thread.run_sync(
+                    c_remote.shim.remote_bench, owners.tobytes(), blobs.tobytes(), a.window, 10.0)
+                dt = time.perf_counter() - t0
+                out["c_large"] = {"blobs": len(blobs), "window": a.window, "failed": failed,
+                                  "MB_per_s": got / dt / 1e6, "wall_ms_per_GB": dt / got * 1e12,
+                                  "client_threads_ms_per_GB": per_gb(r0, thread_cpu(), got),
+                                  "client_runqueue_ms_per_GB": per_gb(w0, thread_cpu("wait"), got)}
+                await mark("c_end")
         await mark("done")
 
     async def mark(name: str) -> None:
@@ -202,6 +234,7 @@ def main() -> None:
 
     marks: dict[str, float] = {}
     threads: dict[str, dict[str, float]] = {}
+    waits: dict[str, dict[str, float]] = {}
 
     async def server() -> None:
         # phase marks from rank 0 on a duplicate communicator (the MPI thread never sees them)
@@ -211,6 +244,7 @@ def main() -> None:
                 marks[name] = cpu()
                 threads[name] = thread_cpu()
                 threads[name]["polls"] = transport.polls
+                waits[name] = thread_cpu("wait")
             await trio.sleep(0.05)
 
     async def run() -> None:
@@ -225,15 +259,23 @@ def main() -> None:
 
     trio.run(run)
     if rank == 1:
-        ctl.send((marks, threads), dest=0, tag=10)
+        ctl.send((marks, threads, waits, c_remote.shim.remote_stats() if c_remote else {}), dest=0, tag=10)
     else:
-        marks, threads = ctl.recv(source=1, tag=10)
+        marks, threads, waits, sstats = ctl.recv(source=1, tag=10)
+        end = "c_start" if "c_start" in marks else "done"
+        if "c_large" in out:
+            nb = out["c_large"]["blobs"] * out["raw_message_bytes"]
+            out["c_large"]["server_threads_ms_per_GB"] = per_gb(threads["c_start"], threads["c_end"], nb)
+            out["c_large"]["server_runqueue_ms_per_GB"] = per_gb(waits["c_start"], waits["c_end"], nb)
         if "large" in out:  # the server's CPU between the marks around the large phase
             gb = out["large"]["blobs"] * out["raw_message_bytes"] / 1e12
-            out["large"]["server_cpu_ms_per_GB"] = (marks["done"] - marks["small_end"]) / gb
-            t0, t1 = threads["small_end"], threads["done"]
+            out["large"]["server_cpu_ms_per_GB"] = (marks[end] - marks["small_end"]) / gb
+            t0, t1 = threads["small_end"], threads[end]
             out["large"]["server_threads_ms_per_GB"] = {
                 k: round((v - t0.get(k, 0)) / gb) for k, v in t1.items() if k != "polls"}
+            out["large"]["server_runqueue_ms_per_GB"] = per_gb(waits["small_end"], waits[end], gb * 1e12)
+            out["large"]["server_stats"] = {k: v for k, v in sstats.items()
+                                            if k in ("served", "served_io", "served_mapped")}
         if "small" in out:
             out["small"]["server_cpu_us"] = (marks["small_end"] - marks["small_start"]) / len(small) * 1e6
             out["small"]["cpu_us"] = out["small"]["server_cpu_us"] + out["small"]["client_cpu_us"]

@@ -72,6 +72,10 @@ static int64_t where(uint64_t blob, int *fd) {
     return dense[p] ? dense_offset(blob) : (int64_t)b->offset[blob];
 }
 
+int64_t fanstore_blob_locate(uint64_t blob, int *fd) {
+    return where(blob, fd);
+}
+
 int fanstore_blob_held(uint64_t blob) {
     int fd;
     return where(blob, &fd) >= 0;

@@ -64,6 +64,10 @@ uint64_t fanstore_checksum(const void *p, size_t n); /* xxh3-64, FANSTORE_HASH_S
  * dense copy listing the blob). */
 int fanstore_blob_held(uint64_t blob);
 
+/* Where `blob`'s stored bytes lie in this rank's local copy: the offset in *fd's file, or -1
+ * when not held (for replies sent from a mapping: _shim_remote_serve_map.c). */
+int64_t fanstore_blob_locate(uint64_t blob, int *fd);
+
 /* `n` stored bytes of `blob` from `rel` bytes into them, into `buf` (the whole blob: rel 0,
  * n = stored[blob]). nowait: only from the page cache (preadv2 RWF_NOWAIT), AGAIN at once
  * otherwise. OK, AGAIN, NOT_HELD or IO. */

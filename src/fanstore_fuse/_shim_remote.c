@@ -31,21 +31,25 @@ char *fsr_error_reply(const struct fsr_header *req, int err, size_t *n) {
 
 /* The reply to `req`: bytes read (nowait: only from the page cache; NULL and *again set when
  * the disk must be read), or an error reply. */
-char *fsr_serve(const struct fsr_header *req, int nowait, size_t *n, int *again) {
+char *fsr_serve(const struct fsr_header *req, int nowait, size_t *n, int *again, int *tag) {
     *again = 0;
+    *tag = FSR_TAG_REPLY;
     if (req->magic != FSR_MAGIC || req->version != FSR_VERSION ||
         (req->op != FSR_OP_FETCH && req->op != FSR_OP_FRAMES)) {
         COUNT(bad_requests);
         return fsr_error_reply(req, EPROTO, n);
     }
     if (req->op == FSR_OP_FRAMES)
-        return fsr_serve_frames(req, nowait, n, again);
+        return fsr_serve_frames(req, nowait, n, again, tag);
     uint64_t b = req->blob;
     if (b >= fanstore_blobs.n || !fanstore_blob_held(b))
         return fsr_error_reply(req, ENOENT, n);
     if (req->lo > req->hi || req->hi > fanstore_blobs.stored[b])
         return fsr_error_reply(req, EINVAL, n);
     size_t len = (size_t)(req->hi - req->lo);
+    char *bare = len == fanstore_blobs.stored[b] ? fsr_serve_bare(req, len, nowait, n, again, tag) : NULL;
+    if (bare != NULL || *again)
+        return bare;
     char *buf = malloc(sizeof(struct fsr_header) + len);
     if (buf == NULL)
         return fsr_error_reply(req, ENOMEM, n);
@@ -225,15 +229,15 @@ void *fsr_worker(void *unused) {
             fsr_verify(j->call, j->buf, j->n);
         } else {
             size_t n;
-            int again;
-            char *reply = fsr_serve(&j->h, 0, &n, &again);
+            int again, tag;
+            char *reply = fsr_serve(&j->h, 0, &n, &again, &tag);
             COUNT(served_io);
             if (reply != NULL && fsr_direct && fsr_mpi_fresh())
-                fsr_send(j->source, FSR_TAG_REPLY, reply, n, 2e-3); /* no hop to the remote thread */
-            else if (reply != NULL && fsr_worker_sends(n) && fsr_send(j->source, FSR_TAG_REPLY, reply, n, 0) == 0)
+                fsr_send(j->source, tag, reply, n, 2e-3); /* no hop to the remote thread */
+            else if (reply != NULL && fsr_worker_sends(n) && fsr_send(j->source, tag, reply, n, 0) == 0)
                 COUNT(worker_sends); /* eager: complete at once */
             else if (reply != NULL)
-                fsr_queue_out(j->source, FSR_TAG_REPLY, reply, n);
+                fsr_queue_out(j->source, tag, reply, n);
         }
         free(j);
     }
@@ -305,13 +309,6 @@ int fsr_add_call(const struct call *proto, double timeout) {
     }
     fsr_send_request(proto, id, h);
     return 0;
-}
-
-int fanstore_remote_fetch(int owner, uint64_t blob, double timeout, fanstore_remote_done done, void *ctx) {
-    struct call proto = {.blob = blob, .owner = owner, .op = FSR_OP_FETCH, .done = done, .ctx = ctx};
-    if (blob < fanstore_blobs.n)
-        proto.hi = fanstore_blobs.stored[blob];
-    return fsr_add_call(&proto, timeout);
 }
 
 /* ------------------------------------------------------------------ Python */
@@ -459,6 +456,8 @@ PyObject *fanstore_py_remote_stop(PyObject *self, PyObject *unused) {
     close(fsr_state.bell_fd);
     close(fsr_state.wake_fd);
     fsr_state.bell_fd = fsr_state.wake_fd = -1;
+    if (fsr_state.nsends == 0) /* no peer may still read a bare reply's pages */
+        fsr_maps_drop();
     /* done_fd stays open: Python may still take the cancelled calls */
     Py_RETURN_NONE;
 }
@@ -525,7 +524,7 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
     return Py_BuildValue(
-        "{sisisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "reading", fanstore_remote_reading(), "bells",
+        "{sisisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "reading", fanstore_remote_reading(), "bells",
         fsr_state.gathered == 1, "polls", fsr_stats.polls, "bell_wakes", fsr_stats.bell_wakes, "served", fsr_stats.served,
         "served_io", fsr_stats.served_io, "served_bytes", fsr_stats.served_bytes, "bad_requests", fsr_stats.bad_requests,
         "error_replies", fsr_stats.error_replies, "fetched", fsr_stats.fetched, "fetched_bytes", fsr_stats.fetched_bytes,
@@ -534,5 +533,6 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
         "peak_in_flight", fsr_stats.peak_calls, "c_reads", fsr_stats.c_reads, "c_read_bytes",
         fsr_stats.c_read_bytes, "c_read_fallbacks", fsr_stats.c_read_fallbacks, "cache_offers",
         fsr_stats.cache_offers, "c_range_reads", fsr_stats.c_range_reads, "c_chunk_hits",
-        fsr_stats.c_chunk_hits, "c_fetch_ahead", fsr_stats.c_fetch_ahead, "send_waits", fsr_stats.send_waits, "worker_sends", fsr_stats.worker_sends);
+        fsr_stats.c_chunk_hits, "c_fetch_ahead", fsr_stats.c_fetch_ahead, "send_waits", fsr_stats.send_waits,
+        "worker_sends", fsr_stats.worker_sends, "served_mapped", fsr_stats.served_mapped);
 }

@@ -14,7 +14,9 @@
  * [lo, hi) of a framed blob), a reply whose lo, hi are the stored range of the frames that
  * cover them, followed by the blob's frame table and those frames (_shim_remote_range.c).
  * Requests travel with FSR_TAG_REQUEST, replies with FSR_TAG_REPLY and
- * the request's id; a reply with err != 0 carries no bytes. A request that does not decode is
+ * the request's id; a reply with err != 0 carries no bytes. A request for all the stored
+ * bytes of a large blob may be answered "bare" (version 3): those bytes alone, sent from a
+ * mapping of the partition, tagged FSR_TAG_BARE + id % FSR_BARE_IDS (_shim_remote_serve_map.c). A request that does not decode is
  * answered EPROTO; a blob not held here ENOENT; a range outside the blob EINVAL; a failed read
  * EIO. The requester verifies (the manifest's xxh3, every frame's): bytes that fail it never
  * reach a reader, and the request goes back to Python (replicas, then DEST, then EIO).
@@ -42,9 +44,11 @@
 #include <stdint.h>
 
 #define FSR_MAGIC 0x5246 /* "FR" */
-#define FSR_VERSION 2 /* 2: FSR_OP_FRAMES */
+#define FSR_VERSION 3 /* 2: FSR_OP_FRAMES; 3: bare replies */
 #define FSR_TAG_REQUEST 200
 #define FSR_TAG_REPLY 201
+#define FSR_TAG_BARE 16384 /* + id % FSR_BARE_IDS: a bare reply (every tag <= 32767, MPI's least TAG_UB) */
+#define FSR_BARE_IDS 16384
 #define FSR_OP_FETCH 1  /* stored bytes [lo, hi) of blob */
 #define FSR_OP_FRAMES 2 /* raw bytes [lo, hi) of a framed blob: its table and covering frames */
 
@@ -112,6 +116,7 @@ PyObject *fanstore_py_remote_stop(PyObject *self, PyObject *unused);
 PyObject *fanstore_py_remote_fetch(PyObject *self, PyObject *args);
 PyObject *fanstore_py_remote_take(PyObject *self, PyObject *unused);
 PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused);
+PyObject *fanstore_py_remote_bench(PyObject *self, PyObject *args); /* _shim_remote_range.c */
 
 #define FANSTORE_REMOTE_METHODS                                                                  \
     {"remote_start", fanstore_py_remote_start, METH_VARARGS,                                     \
@@ -127,6 +132,10 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused);
      "take (status 0 or a negative errno); clears the eventfd"},                                 \
     {"remote_stats", fanstore_py_remote_stats, METH_NOARGS,                                      \
      "remote_stats(): the remote thread's counters (dict)"},                                     \
+    {"remote_bench", fanstore_py_remote_bench, METH_VARARGS,                                     \
+     "remote_bench(owners, blobs, window, timeout): fetch these whole blobs as READs in C do "    \
+     "(framed: kept, raw frames checked in place), `window` in flight, GIL released; returns "   \
+     "(raw bytes verified, failures) (bench._transport_bw)"},                                    \
     {"remote_read_start", fanstore_py_remote_read_start, METH_VARARGS,                           \
      "remote_read_start(fallback, timeout, cache_index or None): READs of blobs held elsewhere " \
      "through the remote thread from now on (once remote_owners published the owners)"},        \

@@ -108,7 +108,8 @@ struct fsr_stats {
     unsigned long long polls, bell_wakes, served, served_io, served_bytes, bad_requests,
         error_replies, fetched, fetched_bytes, corrupt, timeouts, peer_errors, send_errors,
         verified_by_worker, open_calls, peak_calls, c_reads, c_read_bytes, c_read_fallbacks,
-        cache_offers, c_range_reads, c_chunk_hits, c_fetch_ahead, send_waits, worker_sends;
+        cache_offers, c_range_reads, c_chunk_hits, c_fetch_ahead, send_waits, worker_sends,
+        served_mapped;
 };
 extern struct fsr_stats fsr_stats;
 
@@ -135,7 +136,8 @@ static inline void fsr_take_pokes(int fd) { /* an eventfd: one read resets its c
 
 /* _shim_remote.c: serving, calls, workers */
 char *fsr_error_reply(const struct fsr_header *req, int err, size_t *n);
-char *fsr_serve(const struct fsr_header *req, int nowait, size_t *n, int *again);
+/* *tag: the tag to send the reply with (FSR_TAG_REPLY, or a bare reply's) */
+char *fsr_serve(const struct fsr_header *req, int nowait, size_t *n, int *again, int *tag);
 void fsr_push_job(struct job *j);
 void fsr_finish(struct call *c, int status);
 void fsr_complete(struct call *c, int status, char *raw, size_t n); /* calls done or view */
@@ -144,8 +146,21 @@ void fsr_answered(char *buf, size_t n);
 void *fsr_worker(void *unused);
 void fsr_offer(uint64_t blob, char *raw, size_t n); /* raw bytes for the disk cache (taken over) */
 /* _shim_remote_range.c: FSR_OP_FRAMES */
-char *fsr_serve_frames(const struct fsr_header *req, int nowait, size_t *n, int *again);
+char *fsr_serve_frames(const struct fsr_header *req, int nowait, size_t *n, int *again, int *tag);
 void fsr_verify_frames(struct call *c, char *buf, size_t n);
+/* _shim_remote_serve_map.c: bare replies (_shim_remote.h), for requests of all the `len`
+ * stored bytes of a blob (MAP_MIN or more): a pointer into the partition's mapping (*n, *tag
+ * set; counted as served), an error reply (a partition too short: EIO), or NULL: *again
+ * (nowait, pages not in the page cache), else not sent bare (off, too small, no mapping):
+ * the caller preads. Every send's buffer is released by fsr_free_out (free(), nothing for
+ * a bare reply); fsr_maps_drop unmaps (the remote thread stopped). fsr_answered_bare: a bare
+ * reply received into buf + sizeof(fsr_header) (`n` counts the header), its call found by
+ * source and tag, the header put in front, then fsr_answered. */
+#define MAP_MIN (256u << 10)
+char *fsr_serve_bare(const struct fsr_header *req, size_t len, int nowait, size_t *n, int *again, int *tag);
+void fsr_free_out(void *buf);
+void fsr_maps_drop(void);
+void fsr_answered_bare(char *buf, size_t n, int source, int tag);
 /* _shim_remote_mpi.c: MPI and the remote thread */
 const char *fsr_find_mpi(const char *path);
 void fsr_queue_out(int dest, int tag, char *buf, size_t n);

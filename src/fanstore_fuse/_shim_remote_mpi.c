@@ -53,13 +53,13 @@ static int fsr_post(int dest, int tag, char *buf, size_t n) {
     int req, flag = 0;
     if (fsr_mpi.Isend(buf, (int)n, fsr_state.byte, dest, tag, fsr_state.comm, &req) != 0) {
         COUNT(send_errors);
-        free(buf);
+        fsr_free_out(buf);
         return -1;
     }
     int done = fsr_mpi.Test(&req, &flag, MPI_STATUS_IGNORE_) == 0 && flag; /* progress first */
     fsr_ring(dest);
     if (done)
-        free(buf); /* eager: complete at once */
+        fsr_free_out(buf); /* eager: complete at once */
     else
         fsr_track(req, buf);
     return 0;
@@ -74,7 +74,7 @@ int fsr_send(int dest, int tag, char *buf, size_t n, double linger) {
     int req, flag = 0;
     if (fsr_mpi.Isend(buf, (int)n, fsr_state.byte, dest, tag, fsr_state.comm, &req) != 0) {
         COUNT(send_errors);
-        free(buf);
+        fsr_free_out(buf);
         return -1;
     }
     int rung = 0; /* rung after the first test: that progress may be what puts it on its way */
@@ -86,7 +86,7 @@ int fsr_send(int dest, int tag, char *buf, size_t n, double linger) {
         if (!rung++)
             fsr_ring(dest);
         if (done) {
-            free(buf);
+            fsr_free_out(buf);
             return 0;
         }
         if (waited >= linger)
@@ -143,7 +143,7 @@ static int fsr_progress_sends(void) {
     for (size_t i = 0; i < fsr_state.nsends;) {
         int flag = 0;
         if (fsr_mpi.Test(&fsr_state.sends[i].req, &flag, MPI_STATUS_IGNORE_) != 0 || flag) {
-            free(fsr_state.sends[i].buf);
+            fsr_free_out(fsr_state.sends[i].buf);
             fsr_state.sends[i] = fsr_state.sends[--fsr_state.nsends];
             moved = 1;
         } else {
@@ -157,7 +157,7 @@ static int fsr_progress_sends(void) {
 void fsr_queue_out(int dest, int tag, char *buf, size_t n) {
     struct out *o = malloc(sizeof(*o));
     if (o == NULL) {
-        free(buf);
+        fsr_free_out(buf);
         return; /* the requester times out and reads another way */
     }
     *o = (struct out){NULL, dest, tag, 0, 0, buf, n};
@@ -256,15 +256,20 @@ static int fsr_receive(void) {
             break;
         moved = 1;
         fsr_mpi.Get_count(&st, fsr_state.byte, &count);
-        char *buf = malloc(count > 0 ? (size_t)count : 1);
+        size_t pre = st.tag >= FSR_TAG_BARE ? sizeof(struct fsr_header) : 0; /* its header: ours */
+        char *buf = malloc(pre + (count > 0 ? (size_t)count : 1));
         if (buf == NULL)
             abort(); /* a matched message must be received */
-        if (fsr_mpi.Mrecv(buf, count, fsr_state.byte, &msg, MPI_STATUS_IGNORE_) != 0) {
+        if (fsr_mpi.Mrecv(buf + pre, count, fsr_state.byte, &msg, MPI_STATUS_IGNORE_) != 0) {
             COUNT(peer_errors);
             free(buf);
             continue;
         }
         size_t n = (size_t)count;
+        if (pre) {
+            fsr_answered_bare(buf, pre + n, st.source, st.tag);
+            continue;
+        }
         if (st.tag == FSR_TAG_REPLY) {
             fsr_answered(buf, n);
             continue;
@@ -279,10 +284,10 @@ static int fsr_receive(void) {
             continue;
         }
         size_t m;
-        int again;
-        char *reply = fsr_serve((struct fsr_header *)buf, 1, &m, &again);
+        int again, tag;
+        char *reply = fsr_serve((struct fsr_header *)buf, 1, &m, &again, &tag);
         if (reply != NULL) {
-            fsr_post(st.source, FSR_TAG_REPLY, reply, m);
+            fsr_post(st.source, tag, reply, m);
         } else {
             struct job *j = calloc(1, sizeof(*j));
             if (j != NULL) {

@@ -14,7 +14,8 @@
  * - or the blob is larger (up to CHUNK_MAX) and the READ sequential (it starts where the last
  *   READ of the file ended, or at the chunk's start) or its blob is in the chunk cache: the whole blob travels once into one of SLOTS
  *   slots (READs arriving while it travels wait on it, later ones are answered from it on the
- *   FUSE thread), the file's next chunk is fetched ahead, and the blob is offered to the disk
+ *   FUSE thread), the file's next AHEAD chunks are fetched ahead (FANSTORE_CREMOTE_AHEAD;
+ *   several requests in flight per reader: a pipeline), and the blob is offered to the disk
  *   cache when there is one;
  * - or the blob is framed and larger, the READ not sequential, and there is no disk cache:
  *   only the frames that cover the READ travel, with the frame table (FSR_OP_FRAMES,
@@ -39,6 +40,7 @@
 #define SLOTS 8      /* whole chunks kept for sequential READs (8 x 4 MiB chunks: 32 MiB) */
 #define CHUNK_MAX (16u << 20) /* larger blobs never go in a slot (8 x 16 MiB at most) */
 #define SEQ_SLOTS 64 /* files whose last READ's end is remembered (hashed by inode) */
+#define AHEAD 3      /* the file's next chunks fetched ahead of a sequential reader */
 
 typedef void (*read_op_t)(fuse_req_t, fuse_ino_t, size_t, off_t, struct fuse_file_info *);
 typedef int (*reply_buf_t)(fuse_req_t, const char *, size_t);
@@ -51,6 +53,7 @@ static const uint16_t *owner;     /* primary owner per blob, once published */
 static const uint64_t *cache_loc; /* DiskCache's index, or NULL */
 static double timeout;
 static int reading, chunks = 1; /* chunks: FANSTORE_CREMOTE_CHUNKS=0 turns the chunk cache off */
+static int ahead = AHEAD;       /* FANSTORE_CREMOTE_AHEAD: chunks fetched ahead (0: none) */
 
 enum { WHOLE, RANGE, CHUNK }; /* how a READ is answered (the header comment) */
 
@@ -286,23 +289,31 @@ static int chunk_fetch(uint64_t blob, int owner, struct rread *r) {
     return -1;
 }
 
-/* The next chunk of the file, when another rank holds it and it is in no slot: fetched ahead. */
+/* The file's next `ahead` chunks: each that another rank holds and no slot has is fetched
+ * ahead (at most ahead + 1 chunks pending at once, the READ's own included), so that several
+ * chunks travel while the reader reads one. */
 static void fetch_ahead(const struct rread *r) {
     const uint16_t *own = __atomic_load_n(&owner, __ATOMIC_ACQUIRE);
-    uint64_t j = r->ino - 1, k = r->off / fanstore_blobs.chunk_size + 1;
-    if (k >= fanstore_ds.count[j])
-        return;
-    uint64_t b = fanstore_ds.first[j] + k;
-    if (fanstore_blob_held(b) || (cache_loc != NULL && cache_loc[b] != 0) || fanstore_remote_suspect(own[b]) ||
-        fanstore_blobs.raw[b] <= WHOLE_MAX || fanstore_blobs.raw[b] > CHUNK_MAX)
-        return;
-    pthread_mutex_lock(&slot_lock);
-    if (find_slot(b) >= 0) {
-        pthread_mutex_unlock(&slot_lock);
-        return;
-    }
-    if (chunk_fetch(b, own[b], NULL) == 0)
+    uint64_t j = r->ino - 1, k0 = r->off / fanstore_blobs.chunk_size;
+    for (uint64_t k = k0 + 1; k <= k0 + (uint64_t)ahead && k < fanstore_ds.count[j]; k++) {
+        uint64_t b = fanstore_ds.first[j] + k;
+        if (fanstore_blob_held(b) || (cache_loc != NULL && cache_loc[b] != 0) || fanstore_remote_suspect(own[b]) ||
+            fanstore_blobs.raw[b] <= WHOLE_MAX || fanstore_blobs.raw[b] > CHUNK_MAX)
+            continue;
+        pthread_mutex_lock(&slot_lock);
+        int pending = 0;
+        for (int i = 0; i < SLOTS; i++)
+            pending += slots[i].state == PENDING;
+        if (find_slot(b) >= 0 || pending > ahead) { /* the READ's own chunk and `ahead` */
+            pthread_mutex_unlock(&slot_lock);
+            if (pending > ahead)
+                return;
+            continue;
+        }
+        if (chunk_fetch(b, own[b], NULL) != 0)
+            return; /* no slot free */
         COUNT(c_fetch_ahead);
+    }
 }
 
 /* CHUNK: answered from its slot, queued on it, or a new fetch; 0 when no slot was free. */
@@ -396,6 +407,8 @@ PyObject *fanstore_py_remote_read_start(PyObject *self, PyObject *args) {
     }
     const char *knob = getenv("FANSTORE_CREMOTE_CHUNKS");
     chunks = knob == NULL || strcmp(knob, "0") != 0;
+    knob = getenv("FANSTORE_CREMOTE_AHEAD");
+    ahead = knob == NULL ? AHEAD : atoi(knob) < 0 ? 0 : atoi(knob) > SLOTS / 2 ? SLOTS / 2 : atoi(knob);
     Py_INCREF(fb);
     fallback = fb;
     timeout = t;

@@ -1,0 +1,153 @@
+/* Whole large blobs sent from a mapping of the local partition, not a pread copy (issue 11,
+ * seventh session). The data of a job is immutable, so a reply can be sent from the page
+ * cache itself: the requester's MPI copies the bytes once (MPICH on shared memory: its
+ * process_vm_readv reads the pages where they lie), not twice (pread into a buffer, then that
+ * buffer), and the server spends no CPU on them.
+ *
+ * Each local partition file is mapped once (read-only, shared, on first use; kept while the
+ * remote thread runs). A reply to a request for ALL the stored bytes of a blob of MAP_MIN
+ * bytes or more (FSR_OP_FETCH of the whole blob; FSR_OP_FRAMES covering every frame) is then
+ * "bare": the stored bytes alone, straight from the mapping, with the tag FSR_TAG_BARE plus
+ * the request's id modulo FSR_BARE_IDS (a header would need a copy: one message is one
+ * contiguous buffer, and MPICH packs a two-block datatype at half the speed, measured). The
+ * requester finds its call by source and tag, and puts back the header the server would have
+ * sent (fsr_answered_bare); then everything is checked as for any reply (the length, the
+ * manifest's xxh3, each frame's), so a damaged partition, or a stale reply matching a newer
+ * call's id bits, gives EIO and the Python fallback, never bad bytes.
+ *
+ * The remote thread sends bare only when every page is in the page cache (mincore: cheap on
+ * pages the mapping already maps); otherwise a worker reads them in first (MADV_POPULATE_READ,
+ * as it would pread). The file's size is checked against the blob before every reply (a short
+ * partition is EIO, as a short pread): the requester never reads past the end of the file.
+ * FANSTORE_CREMOTE_MAP=0: every reply read with pread and sent with its header. */
+#define _GNU_SOURCE
+#include <sys/mman.h>
+#include <sys/stat.h>
+
+#include "_shim_remote_int.h"
+
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
+
+static int map_on = -1; /* -1: the knob not read yet */
+static pthread_mutex_t maps_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct mapped {
+    dev_t dev;
+    ino_t ino;
+    off_t size;
+    char *base;
+} maps[256]; /* entries are only added while the remote thread runs (fsr_maps_drop: after) */
+static int nmaps;
+
+static int mapping_on(void) {
+    int on = __atomic_load_n(&map_on, __ATOMIC_RELAXED);
+    if (on < 0) {
+        const char *knob = getenv("FANSTORE_CREMOTE_MAP");
+        on = knob == NULL || strcmp(knob, "0") != 0;
+        __atomic_store_n(&map_on, on, __ATOMIC_RELAXED);
+    }
+    return on;
+}
+
+/* The mapping of the file open as `fd` (of `st`), made on first use; NULL if it cannot be. */
+static char *mapping(int fd, const struct stat *st) {
+    char *base = NULL;
+    pthread_mutex_lock(&maps_lock);
+    for (int i = 0; i < nmaps && base == NULL; i++)
+        if (maps[i].dev == st->st_dev && maps[i].ino == st->st_ino && maps[i].size == st->st_size)
+            base = maps[i].base;
+    if (base == NULL && nmaps < (int)(sizeof(maps) / sizeof(maps[0])) && st->st_size > 0) {
+        base = mmap(NULL, (size_t)st->st_size, PROT_READ, MAP_SHARED, fd, 0);
+        if (base == MAP_FAILED)
+            base = NULL;
+        else {
+            maps[nmaps] = (struct mapped){st->st_dev, st->st_ino, st->st_size, base};
+            __atomic_store_n(&nmaps, nmaps + 1, __ATOMIC_RELEASE); /* fsr_free_out reads it */
+        }
+    }
+    pthread_mutex_unlock(&maps_lock);
+    return base;
+}
+
+void fsr_free_out(void *buf) {
+    int n = __atomic_load_n(&nmaps, __ATOMIC_ACQUIRE);
+    for (int i = 0; i < n; i++) /* a bare reply: its bytes are the mapping's */
+        if ((char *)buf >= maps[i].base && (char *)buf < maps[i].base + maps[i].size)
+            return;
+    free(buf);
+}
+
+void fsr_maps_drop(void) {
+    pthread_mutex_lock(&maps_lock);
+    for (int i = 0; i < nmaps; i++)
+        munmap(maps[i].base, (size_t)maps[i].size);
+    __atomic_store_n(&nmaps, 0, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&maps_lock);
+}
+
+/* Whether all `len` bytes at `p` are in the page cache. */
+static int resident(const char *p, size_t len) {
+    uintptr_t a = (uintptr_t)p & ~(uintptr_t)4095;
+    len += (uintptr_t)p - a;
+    size_t pages = (len + 4095) / 4096;
+    unsigned char small[1024], *vec = pages <= sizeof(small) ? small : malloc(pages);
+    int all = vec != NULL && mincore((void *)a, len, vec) == 0;
+    for (size_t i = 0; all && i < pages; i++)
+        all = vec[i] & 1;
+    if (vec != small)
+        free(vec);
+    return all;
+}
+
+char *fsr_serve_bare(const struct fsr_header *req, size_t len, int nowait, size_t *n, int *again, int *tag) {
+    *again = 0;
+    int fd;
+    int64_t at = fanstore_blob_locate(req->blob, &fd);
+    struct stat st;
+    if (!mapping_on() || at < 0 || len < MAP_MIN || fstat(fd, &st) != 0)
+        return NULL;
+    if (st.st_size < at + (off_t)len)
+        return fsr_error_reply(req, EIO, n); /* as a short pread: never past the end */
+    char *base = mapping(fd, &st);
+    if (base == NULL)
+        return NULL; /* pread then */
+    char *p = base + at;
+    if (!resident(p, len)) {
+        if (nowait) {
+            *again = 1;
+            return NULL;
+        }
+        uintptr_t a = (uintptr_t)p & ~(uintptr_t)4095; /* read in here, as a pread would */
+        if (madvise((void *)a, len + ((uintptr_t)p - a), MADV_POPULATE_READ) != 0)
+            return errno == EINVAL ? NULL : fsr_error_reply(req, EIO, n);
+    }
+    *n = len;
+    *tag = FSR_TAG_BARE + (int)(req->id % FSR_BARE_IDS);
+    COUNT(served);
+    COUNT(served_mapped);
+    ADD(served_bytes, len);
+    return p;
+}
+
+void fsr_answered_bare(char *buf, size_t n, int source, int tag) {
+    uint64_t low = (uint64_t)(tag - FSR_TAG_BARE);
+    struct fsr_header h = {FSR_MAGIC, FSR_VERSION, 0, 0, 0, 0, 0, 0};
+    pthread_mutex_lock(&fsr_state.lock);
+    for (struct call *c = fsr_state.inflight; c != NULL; c = c->next)
+        if (c->owner == source && c->id % FSR_BARE_IDS == low) {
+            h.op = (uint8_t)c->op;
+            h.id = c->id;
+            h.blob = c->blob;
+            h.lo = c->op == FSR_OP_FETCH ? c->lo : 0; /* FRAMES: lo 0 = from the blob's start */
+            h.hi = c->op == FSR_OP_FETCH ? c->hi : fanstore_blobs.stored[c->blob];
+            break;
+        }
+    pthread_mutex_unlock(&fsr_state.lock);
+    if (h.id == 0) { /* timed out already: nobody waits */
+        free(buf);
+        return;
+    }
+    memcpy(buf, &h, sizeof(h));
+    fsr_answered(buf, n);
+}
