@@ -4,10 +4,13 @@ real 2-rank mount reading every file twice."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import mmap
 import os
 import random
 import stat
 import subprocess
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -440,12 +443,44 @@ def test_memory_per_entry(tmp_path):
 
 
 def _drop_page_cache(paths) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
+    """Evict the files' pages, and check they are gone (`mincore`): one DONTNEED under load
+    can leave a page the kernel had not yet put on an LRU list, and a read that was to need
+    the disk then finds it cached (seen as a rare failure of the nowait read below)."""
+    for _ in range(100):
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        if not any(map(_resident_pages, paths)):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"pages of {paths} stay in the page cache after 100 DONTNEED")
+
+
+def _resident_pages(path) -> int:
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
         try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            vec = ctypes.create_string_buffer((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE)
+            assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
+            return sum(b & 1 for b in vec.raw)
         finally:
-            os.close(fd)
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
 
 
 def _read_all(mp: str, rels: list[bytes]) -> dict[bytes, bytes]:

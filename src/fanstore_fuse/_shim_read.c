@@ -268,7 +268,8 @@ static int fuse_waiting(void) { /* queued by _shim_threads.c's readers, or in th
 static int64_t contended_until;
 
 static int alone(void) {
-    if (session_fd == NULL || fanstore_session == NULL || now_ns() < contended_until)
+    if (session_fd == NULL || fanstore_session == NULL ||
+        now_ns() < __atomic_load_n(&contended_until, __ATOMIC_RELAXED))
         return 0;
     pthread_mutex_lock(&qlock);
     int idle = qlen == 0 && busy == 0;
@@ -278,31 +279,48 @@ static int alone(void) {
 
 static void read_in_c(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
                       struct fuse_file_info *fi) {
+    struct job jb = {req, ino, (uint64_t)off, (uint32_t)size, fi->flags};
     if (off < 0 || !read_here(ino, fi->fh, (uint64_t)off, size)) {
-        py_read(req, ino, size, off, fi);
+        if (fanstore_c_thread) /* cannot happen: the request threads take only what read_here takes */
+            to_python(&jb);
+        else
+            py_read(req, ino, size, off, fi);
         return;
     }
-    struct job jb = {req, ino, (uint64_t)off, (uint32_t)size, fi->flags};
-    static struct worker fuse_thread; /* only ever used on the one FUSE thread */
+    /* the trio thread's (GIL held: released around waits) or a request thread's (no GIL at
+     * all: _shim_threads.c) own scratch */
+    static struct worker fuse_thread;
+    static __thread struct worker request_thread;
+    struct worker *me = fanstore_c_thread ? &request_thread : &fuse_thread;
     if (size <= inline_max) {
         /* page cache, cached frames and raw frames only: a zstd frame to decode waits for
          * alone() (else a thread decodes it while this one takes the next request) */
-        if (serve(&jb, FANSTORE_CHEAP, &fuse_thread) == FANSTORE_BLOB_OK) {
+        if (serve(&jb, FANSTORE_CHEAP, me) == FANSTORE_BLOB_OK) {
             count(&jb, 1);
             return;
         }
         if (alone()) {
             int r;
-            Py_BEGIN_ALLOW_THREADS r = serve(&jb, 0, &fuse_thread);
-            Py_END_ALLOW_THREADS if (fuse_waiting()) contended_until = now_ns() + CONTENDED_NS;
+            if (fanstore_c_thread)
+                r = serve(&jb, 0, me);
+            else {
+                Py_BEGIN_ALLOW_THREADS r = serve(&jb, 0, me);
+                Py_END_ALLOW_THREADS
+            }
+            if (fuse_waiting())
+                __atomic_store_n(&contended_until, now_ns() + CONTENDED_NS, __ATOMIC_RELAXED);
             if (r == FANSTORE_BLOB_OK) {
                 count(&jb, 1);
                 return;
             }
         }
     }
-    if (!enqueue(&jb))
-        py_read(req, ino, size, off, fi); /* more READs waiting than QUEUE: Python takes it */
+    if (enqueue(&jb))
+        return;
+    if (fanstore_c_thread) /* more READs waiting than QUEUE: Python takes it */
+        to_python(&jb);
+    else
+        py_read(req, ino, size, off, fi);
 }
 
 void fanstore_patch_read(struct fuse_lowlevel_ops *ops) {
