@@ -147,7 +147,7 @@ static PyObject *trio_runq;
 #define TRIO_IDLE_US 5000
 static int64_t trio_total_ns = 5000000; /* fast_open's trio_total_us */
 
-/* Whether a request thread of _shim_threads.c answers local dataset READs itself
+/* Whether a request thread of _shim_threads.c answers dataset READs itself, local and remote
  * (FANSTORE_FUSE_THREAD_READS, default 1: a hop through trio costs ~5 us of CPU per READ). */
 static int thread_reads(void) {
     static int on = -1;
@@ -159,8 +159,7 @@ static int thread_reads(void) {
 }
 
 /* Whether the handlers above answer this request in C (the same tests they make), on the trio
- * thread (`on_trio`) or on the request threads of _shim_threads.c (no Python, no GIL): remote
- * READs only on the trio thread. */
+ * thread (`on_trio`) or on the request threads of _shim_threads.c (no Python, no GIL). */
 int fanstore_answered(const struct fuse_buf *buf, int len, int on_trio) {
     if ((buf->flags & FUSE_BUF_IS_FD) || buf->mem == NULL || len < (int)sizeof(struct in_header))
         return 0;
@@ -181,10 +180,10 @@ int fanstore_answered(const struct fuse_buf *buf, int len, int on_trio) {
             return 0;
         memcpy(&u32, body, 4); /* fuse_open_in.flags */
         return open_here(h->nodeid, u32);
-    case OP_READ: /* a local dataset READ on the request threads too (no GIL: see read_in_c);
-                   * remote ones only on the trio thread */
-        return ((on_trio || thread_reads()) && fanstore_read_answered(h->nodeid, body, left)) ||
-               (on_trio && fanstore_remote_answered(h->nodeid, body, left)); /* _shim_remote_read.c */
+    case OP_READ: /* on the request threads too: neither path needs the GIL (a fallback takes it) */
+        return (on_trio || thread_reads()) &&
+               (fanstore_read_answered(h->nodeid, body, left) || /* _shim_read.c */
+                fanstore_remote_answered(h->nodeid, body, left)); /* _shim_remote_read.c */
     case OP_RELEASE:
         if (left < 8)
             return 0;

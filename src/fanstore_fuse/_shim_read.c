@@ -281,7 +281,7 @@ static void read_in_c(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
                       struct fuse_file_info *fi) {
     struct job jb = {req, ino, (uint64_t)off, (uint32_t)size, fi->flags};
     if (off < 0 || !read_here(ino, fi->fh, (uint64_t)off, size)) {
-        if (fanstore_c_thread) /* cannot happen: the request threads take only what read_here takes */
+        if (fanstore_c_thread) /* a remote READ whose fetch could not start: Python reads it */
             to_python(&jb);
         else
             py_read(req, ino, size, off, fi);
