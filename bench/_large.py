@@ -105,13 +105,8 @@ def run_large(work: Path, src: Path, rounds: int) -> dict:
     fan = Fan(work, ldest, "l2", 2, ["--read-only"],
               {"FANSTORE_CACHE_BYTES": str(32 << 20), "FANSTORE_CACHE_SIZE": "0"})
     try:
-        path = os.path.join(fan.mps[0], rel)
-        drop_caches()
-        pids = fan.pids()
-        c0 = cpu_seconds(pids)
-        out["fuse_cold_MB_per_s"] = read_chunks(path, chunks)
-        out["fuse_cold_cpu_ms_per_GB"] = (cpu_seconds(pids) - c0) / (len(chunks) * 4 << 20) * 1e12
-        warm = [read_chunks(path, chunks) for _ in range(rounds)]
+        cold, cpu, warm = cold_then_warm(fan, rel, chunks, rounds)
+        out["fuse_cold_MB_per_s"], out["fuse_cold_cpu_ms_per_GB"] = cold, cpu
         out["fuse_warm_server_MB_per_s"] = sorted(warm)[len(warm) // 2]
         out["fuse_warm_server_runs"] = [round(x) for x in warm]
         out["chunks"] = len(chunks)
@@ -130,13 +125,8 @@ def local_large(work: Path, ldest: Path, rel: str, chunks: list[int], rounds: in
     out: dict = {}
     fan = Fan(work, ldest, "l1", 1, ["--read-only"], {"FANSTORE_CACHE_BYTES": str(32 << 20)})
     try:
-        path = os.path.join(fan.mps[0], rel)
-        drop_caches()
-        pids = fan.pids()
-        c0 = cpu_seconds(pids)
-        out["local_fuse_cold_MB_per_s"] = read_chunks(path, chunks)
-        out["local_fuse_cold_cpu_ms_per_GB"] = (cpu_seconds(pids) - c0) / (len(chunks) * 4 << 20) * 1e12
-        warm = [read_chunks(path, chunks) for _ in range(rounds)]
+        cold, cpu, warm = cold_then_warm(fan, rel, chunks, rounds)
+        out["local_fuse_cold_MB_per_s"], out["local_fuse_cold_cpu_ms_per_GB"] = cold, cpu
         out["local_fuse_warm_MB_per_s"] = sorted(warm)[len(warm) // 2]
         out["local_fuse_warm_runs"] = [round(x) for x in warm]
     finally:
@@ -171,3 +161,15 @@ def print_large(lg: dict) -> None:
                   f"warm server {lg['fuse_warm_server_MB_per_s'] / lw:.2f}x")
     else:
         print(f"    transport bench failed: {lg.get('transport_error')}")
+
+
+def cold_then_warm(fan: Fan, rel: str, chunks: list[int], rounds: int) -> tuple[float, float, list[float]]:
+    """The chunks read through rank 0's mount after dropping the page cache (MB/s, the daemons'
+    CPU ms per GB), then `rounds` times again (MB/s each)."""
+    path = os.path.join(fan.mps[0], rel)
+    drop_caches()
+    pids = fan.pids()
+    c0 = cpu_seconds(pids)
+    cold = read_chunks(path, chunks)
+    cpu = (cpu_seconds(pids) - c0) / (len(chunks) * 4 << 20) * 1e12
+    return cold, cpu, [read_chunks(path, chunks) for _ in range(rounds)]

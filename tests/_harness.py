@@ -25,9 +25,18 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fanstore_fuse import _mountctl
+import pytest
+
+from fanstore_fuse import _fastclose, _mountctl
 
 CLI = [sys.executable, "-m", "fanstore_fuse"]
+# tests of the C remote path: real mounts, real MPI ranks, and the shim built with it
+C_REMOTE_MARKS = [
+    pytest.mark.mount,
+    pytest.mark.mpi,
+    pytest.mark.skipif(_fastclose._shim is None or not hasattr(_fastclose._shim, "remote_start"),
+                       reason="the C shim is not built (no compiler or headers)"),
+]
 DROP_BITS = stat.S_ISUID | stat.S_ISGID
 
 

@@ -14,9 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from _harness import prep_cli, status_ranks
+from _harness import C_REMOTE_MARKS, prep_cli, status_ranks
 
-from fanstore_fuse import _fastclose
 from fanstore_fuse._format import MANIFEST_NAME, read_manifest
 from fanstore_fuse._namespace import Namespace
 from fanstore_fuse._ring import Placement
@@ -24,12 +23,7 @@ from fanstore_fuse._stage import plan_dense
 
 KiB, MiB = 1 << 10, 1 << 20
 
-pytestmark = [
-    pytest.mark.mount,
-    pytest.mark.mpi,
-    pytest.mark.skipif(_fastclose._shim is None or not hasattr(_fastclose._shim, "remote_start"),
-                       reason="the C shim is not built (no compiler or headers)"),
-]
+pytestmark = C_REMOTE_MARKS
 
 
 def _tree(root: Path) -> tuple[Path, bytes]:

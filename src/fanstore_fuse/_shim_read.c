@@ -255,8 +255,10 @@ static int64_t now_ns(void) {
 }
 
 static int fuse_waiting(void) { /* queued by _shim_threads.c's readers, or in the kernel */
+    if (fanstore_threads_on(fanstore_session)) /* the fd is its eventfd: readable iff queued */
+        return fanstore_threads_queued();
     struct pollfd p = {.fd = session_fd(fanstore_session), .events = POLLIN};
-    return fanstore_threads_queued() || poll(&p, 1, 0) != 0;
+    return poll(&p, 1, 0) != 0;
 }
 
 /* Nothing else to do: no READ queued or being served by a thread, no request waiting on

@@ -238,7 +238,9 @@ int fanstore_threads_pop(struct fuse_buf *buf) {
 }
 
 int fuse_session_fd(struct fuse_session *se) {
-    session_fd_t real = (session_fd_t)fanstore_libfuse_symbol("fuse_session_fd");
+    static session_fd_t real; /* looked up once: the READ path asks on every READ */
+    if (real == NULL)
+        real = (session_fd_t)fanstore_libfuse_symbol("fuse_session_fd");
     if (real == NULL || real == fuse_session_fd)
         return -1;
     int fd = real(se);
