@@ -112,7 +112,8 @@ def summary(times: list[float], cpu: float | None = None) -> dict:
 def remote_to_rank0(dest: Path, rels: list[str]) -> list[str]:
     """The files all of whose blobs rank 1 holds and rank 0 does not (2 ranks, 1 replica)."""
     sys.path.insert(0, str(REPO / "src"))
-    from fanstore_fuse._format import MANIFEST_NAME, read_manifest
+    from fanstore_fuse._format import MANIFEST_NAME
+    from fanstore_fuse._manifest import read_manifest
     from fanstore_fuse._namespace import Namespace
     from fanstore_fuse._ring import Placement
 
