@@ -71,7 +71,8 @@ def _timed_read(mnt: str, rank: int, path: str, ranges: list[tuple[int, int]]) -
 
 def read_on_node(mnt: str, dest: str, rank: int) -> dict:
     """On `rank`: file a's chunks held by the other rank only, then all of file b, both cold."""
-    from fanstore_fuse._format import MANIFEST_NAME, read_manifest
+    from fanstore_fuse._format import MANIFEST_NAME
+    from fanstore_fuse._manifest import read_manifest
     from fanstore_fuse._namespace import Namespace
     from fanstore_fuse._ring import Placement
 

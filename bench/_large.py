@@ -32,7 +32,8 @@ def make_large(src: Path) -> str:
 def remote_chunks(dest: Path, rel: str) -> list[int]:
     """Chunk numbers of `rel` whose blob rank 1 holds and rank 0 does not (2 ranks)."""
     sys.path.insert(0, str(REPO / "src"))
-    from fanstore_fuse._format import MANIFEST_NAME, read_manifest
+    from fanstore_fuse._format import MANIFEST_NAME
+    from fanstore_fuse._manifest import read_manifest
     from fanstore_fuse._namespace import Namespace
     from fanstore_fuse._ring import Placement
 

@@ -41,7 +41,8 @@ from mpi4py import MPI  # noqa: E402
 from fanstore_fuse._blobstore import BlobStore  # noqa: E402
 from fanstore_fuse._compose import compose  # noqa: E402
 from fanstore_fuse._cremote import CRemote  # noqa: E402
-from fanstore_fuse._format import MANIFEST_NAME, read_manifest  # noqa: E402
+from fanstore_fuse._format import MANIFEST_NAME  # noqa: E402
+from fanstore_fuse._manifest import read_manifest  # noqa: E402
 from fanstore_fuse._ring import Placement  # noqa: E402
 from fanstore_fuse._settings import Settings  # noqa: E402
 from fanstore_fuse._transport import MpiTransport  # noqa: E402

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import scale_model
+from . import _projection, _ringsim
 from ._fanstore import cli_command
 from ._profile import Profiler, daemon_pids, summarize
 from ._util import (
@@ -112,7 +112,8 @@ def summary(times: list[float], cpu: float | None = None) -> dict:
 def remote_to_rank0(dest: Path, rels: list[str]) -> list[str]:
     """The files all of whose blobs rank 1 holds and rank 0 does not (2 ranks, 1 replica)."""
     sys.path.insert(0, str(REPO / "src"))
-    from fanstore_fuse._format import MANIFEST_NAME, read_manifest
+    from fanstore_fuse._format import MANIFEST_NAME
+    from fanstore_fuse._manifest import read_manifest
     from fanstore_fuse._namespace import Namespace
     from fanstore_fuse._ring import Placement
 
@@ -252,17 +253,17 @@ def run_remote(work: Path, dest: Path, rels: list[str], envs: list[dict], rounds
 
 def project(res: dict) -> dict:
     """Scale model rows with the measured CPU per file (one daemon core per node)."""
-    costs = dict(scale_model.DEFAULT_COSTS)
+    costs = dict(_projection.DEFAULT_COSTS)
     local, remote = res["local_cold"], res["remote_cold"]
     costs["local_files_s"] = 1e6 / local["cpu_us_per_file"]
     # every node serves as many remote reads as it makes: client + server CPU per remote file
     costs["remote_files_s"] = 1e6 / remote["cpu_us_per_file"]
     costs["remote_latency_s"] = remote["p50_us"] * 1e-6
-    imbalance = scale_model.imbalances([1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
+    imbalance = _ringsim.imbalances([1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
     out = {"costs": costs}
     for key, demand in (("paper", 550.0), ("modern", 20000.0)):
-        rows = scale_model.project(costs, imbalance, demand)
-        scale_model.print_projection(f"PROJECTION from measured CPU per file, {key}", rows, demand)
+        rows = _projection.project(costs, imbalance, demand)
+        _projection.print_projection(f"PROJECTION from measured CPU per file, {key}", rows, demand)
         out[key] = rows
     return out
 

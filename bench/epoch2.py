@@ -65,7 +65,8 @@ def micro(work: Path, dest: Path, rounds: int) -> dict:
 
     from fanstore_fuse._blobstore import BlobStore
     from fanstore_fuse._diskcache import DiskCache
-    from fanstore_fuse._format import MANIFEST_NAME, read_manifest
+    from fanstore_fuse._format import MANIFEST_NAME
+    from fanstore_fuse._manifest import read_manifest
 
     m = read_manifest(str(dest / MANIFEST_NAME))
     store = BlobStore(m, str(dest))

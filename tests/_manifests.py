@@ -5,14 +5,8 @@ from __future__ import annotations
 
 import struct
 
-from fanstore_fuse._format import (
-    _MANIFEST_HEADER,
-    _SECTION,
-    SECTIONS,
-    checksum,
-    manifest_header,
-    section_digest,
-)
+from fanstore_fuse._format import SECTIONS, checksum
+from fanstore_fuse._manifest import _MANIFEST_HEADER, _SECTION, manifest_header, section_digest
 
 
 def sections(data: bytes) -> dict[str, bytes]:

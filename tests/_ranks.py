@@ -12,7 +12,8 @@ import trio
 from fanstore_fuse._blobstore import BlobStore
 from fanstore_fuse._compose import Parts, compose
 from fanstore_fuse._errors import PeerError
-from fanstore_fuse._format import MANIFEST_NAME, read_manifest
+from fanstore_fuse._format import MANIFEST_NAME
+from fanstore_fuse._manifest import read_manifest
 from fanstore_fuse._messages import Frame, HandlerTable
 from fanstore_fuse._ring import Locator
 from fanstore_fuse._settings import Settings

@@ -24,7 +24,8 @@ from mpi4py import MPI  # noqa: E402
 
 from fanstore_fuse._blobstore import BlobStore  # noqa: E402
 from fanstore_fuse._compose import compose  # noqa: E402
-from fanstore_fuse._format import MANIFEST_NAME, read_manifest  # noqa: E402
+from fanstore_fuse._format import MANIFEST_NAME  # noqa: E402
+from fanstore_fuse._manifest import read_manifest  # noqa: E402
 from fanstore_fuse._messages import (  # noqa: E402
     HEADER,
     MAGIC,

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from _harness import CLI, cli_env, run_cli
 
-from fanstore_fuse._format import MANIFEST_NAME, read_manifest
+from fanstore_fuse._format import MANIFEST_NAME
+from fanstore_fuse._manifest import read_manifest
 
 
 @pytest.fixture

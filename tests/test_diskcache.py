@@ -33,7 +33,8 @@ from fanstore_fuse._diskcache import (
     segment_header,
 )
 from fanstore_fuse._errors import FanstoreError
-from fanstore_fuse._format import MANIFEST_NAME, read_manifest
+from fanstore_fuse._format import MANIFEST_NAME
+from fanstore_fuse._manifest import read_manifest
 from fanstore_fuse._node import LocalBlobSource, Stats
 from fanstore_fuse._ring import Placement
 from fanstore_fuse._settings import Settings, parse_cache_size, parse_size

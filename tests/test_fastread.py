@@ -20,7 +20,8 @@ from _harness import mounted, prep_cli, status_ranks, status_totals
 
 from fanstore_fuse import _fastclose, _fastread
 from fanstore_fuse._blobstore import BlobStore
-from fanstore_fuse._format import CODEC_FRAMED, MANIFEST_NAME, read_manifest
+from fanstore_fuse._format import CODEC_FRAMED, MANIFEST_NAME
+from fanstore_fuse._manifest import read_manifest
 from fanstore_fuse._namespace import Namespace
 
 KiB, MiB = 1 << 10, 1 << 20

@@ -20,8 +20,6 @@ from fanstore_fuse import ChecksumError, FormatError, Namespace, PrepOptions, pr
 from fanstore_fuse._blobcodec import BlobCodec
 from fanstore_fuse._blobstore import BlobStore
 from fanstore_fuse._format import (
-    _MANIFEST_HEADER,
-    _SECTION,
     CODEC_RAW,
     CODEC_ZSTD,
     FORMAT_VERSION,
@@ -34,9 +32,13 @@ from fanstore_fuse._format import (
     PARTITION_DATA_START,
     SECTIONS,
     checksum,
+    partition_header,
+)
+from fanstore_fuse._manifest import (
+    _MANIFEST_HEADER,
+    _SECTION,
     decode_manifest,
     encode_manifest,
-    partition_header,
     read_manifest,
 )
 
@@ -309,10 +311,10 @@ def test_hostile_manifests_are_refused(small_dest: Path, mutate, msg):
 
 def _split_errors(data: bytes, parts: int) -> list[str]:
     """Validate `data` in `parts` shares, as the ranks of a mount do; every share's error."""
-    from fanstore_fuse import _format, _validate
+    from fanstore_fuse import _manifest, _validate
 
     try:
-        m = _format._parse(memoryview(data), None, validate=False)
+        m = _manifest._parse(memoryview(data), None, validate=False)
     except FormatError as e:  # header, checksums, partition table: every rank checks those
         return [str(e)]
     errors, children = [], 0
@@ -464,7 +466,8 @@ def test_read_columns_checks_the_sections_it_returns(tmp_path: Path):
     reader's; a flipped byte in a returned section is refused, one elsewhere is not its
     business (the mount's full read refuses it)."""
     from fanstore_fuse._columns import read_columns
-    from fanstore_fuse._format import _MANIFEST_HEADER, _SECTION, SECTIONS, read_manifest
+    from fanstore_fuse._format import SECTIONS
+    from fanstore_fuse._manifest import _MANIFEST_HEADER, _SECTION, read_manifest
 
     src = tmp_path / "src"
     (src / "d").mkdir(parents=True)

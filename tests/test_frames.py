@@ -25,15 +25,8 @@ from fanstore_fuse._blobcodec import (
     table_size,
 )
 from fanstore_fuse._blobstore import BlobStore
-from fanstore_fuse._format import (
-    CODEC_FRAMED,
-    CODEC_RAW,
-    CODEC_ZSTD,
-    MANIFEST_NAME,
-    checksum,
-    read_manifest,
-    write_manifest,
-)
+from fanstore_fuse._format import CODEC_FRAMED, CODEC_RAW, CODEC_ZSTD, MANIFEST_NAME, checksum
+from fanstore_fuse._manifest import read_manifest, write_manifest
 from fanstore_fuse._namespace import Namespace
 from fanstore_fuse._node import LocalBlobSource, Node, Stats
 

@@ -30,10 +30,8 @@ from fanstore_fuse._format import (
     PARTITION_DATA_START,
     Manifest,
     PartitionInfo,
-    decode_manifest,
-    encode_manifest,
-    read_manifest,
 )
+from fanstore_fuse._manifest import decode_manifest, encode_manifest, read_manifest
 
 pytestmark = pytest.mark.fault
 

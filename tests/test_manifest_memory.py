@@ -16,16 +16,8 @@ from _harness import cli_env, fuse_mounts
 from _manifests import counts, rehead, sections
 
 from fanstore_fuse import PrepOptions, prep
-from fanstore_fuse._format import (
-    _MANIFEST_HEADER,
-    HASH_SEED,
-    MANIFEST_MAGIC,
-    MANIFEST_NAME,
-    SECTIONS,
-    checksum,
-    read_manifest,
-    write_manifest,
-)
+from fanstore_fuse._format import HASH_SEED, MANIFEST_MAGIC, MANIFEST_NAME, SECTIONS, checksum
+from fanstore_fuse._manifest import _MANIFEST_HEADER, read_manifest, write_manifest
 
 pytestmark = pytest.mark.fault
 BUDGET = 256 << 20
@@ -118,7 +110,7 @@ def test_sparse_manifest_consistent_with_its_header(base: Path, tmp_path: Path):
     good = (d / MANIFEST_NAME).read_bytes()
     meta = sections(good)["meta"]
     n = 80_000_000
-    from fanstore_fuse._format import _expected_lengths, manifest_header
+    from fanstore_fuse._manifest import _expected_lengths, manifest_header
 
     lengths = [len(meta)] + [_expected_lengths(n, 0)[s][0] for s in SECTIONS[1:]]
     lengths[SECTIONS.index("names")] = n - 1

@@ -30,7 +30,8 @@ from _harness import (
 )
 
 from fanstore_fuse import _mountctl
-from fanstore_fuse._format import MANIFEST_NAME, read_manifest
+from fanstore_fuse._format import MANIFEST_NAME
+from fanstore_fuse._manifest import read_manifest
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(90)]
 

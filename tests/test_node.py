@@ -95,7 +95,8 @@ async def test_waiters_of_a_failed_fetch_get_its_error_and_the_next_read_retries
 async def test_node_reads_across_chunks_and_reads_ahead(src_tree, tmp_path):
     from fanstore_fuse import PrepOptions, prep
     from fanstore_fuse._blobstore import BlobStore
-    from fanstore_fuse._format import MANIFEST_NAME, read_manifest
+    from fanstore_fuse._format import MANIFEST_NAME
+    from fanstore_fuse._manifest import read_manifest
     from fanstore_fuse._namespace import Namespace
     from fanstore_fuse._node import LocalBlobSource, Node
 

@@ -15,8 +15,9 @@ from _ranks import Net, compose_rank
 
 from fanstore_fuse import PrepOptions, prep
 from fanstore_fuse._errors import ChecksumError
-from fanstore_fuse._format import MANIFEST_NAME, read_manifest
+from fanstore_fuse._format import MANIFEST_NAME
 from fanstore_fuse._fuse_ops import Operations
+from fanstore_fuse._manifest import read_manifest
 from fanstore_fuse._ring import Placement
 from fanstore_fuse._shared_writes import REMOTE_INODE_BASE
 from fanstore_fuse.writes import WriteStore

@@ -30,7 +30,8 @@ from hypothesis import strategies as st
 from fanstore_fuse import ChecksumError, PrepOptions, prep
 from fanstore_fuse._blobstore import BlobStore
 from fanstore_fuse._errors import FanstoreError
-from fanstore_fuse._format import MANIFEST_NAME, PARTITION_DATA_START, read_manifest
+from fanstore_fuse._format import MANIFEST_NAME, PARTITION_DATA_START
+from fanstore_fuse._manifest import read_manifest
 from fanstore_fuse._mountctl import prepare_local_dir, remove_local_dir
 from fanstore_fuse._namespace import Namespace
 

@@ -22,7 +22,8 @@ from test_framecache import _counts, _odirect, _shim, _shim_counts
 from fanstore_fuse import _fastread
 from fanstore_fuse._blobcodec import RAW_FRAME_SIZE as SUB
 from fanstore_fuse._blobstore import BlobStore
-from fanstore_fuse._format import CODEC_FRAMED, MANIFEST_NAME, read_manifest
+from fanstore_fuse._format import CODEC_FRAMED, MANIFEST_NAME
+from fanstore_fuse._manifest import read_manifest
 from fanstore_fuse._namespace import Namespace
 
 KiB, MiB = 1 << 10, 1 << 20

@@ -21,8 +21,9 @@ from fanstore_fuse import PrepOptions, prep
 from fanstore_fuse._blobstore import BlobStore
 from fanstore_fuse._compose import LocalOnlyPlacement, compose
 from fanstore_fuse._errors import ChecksumError
-from fanstore_fuse._format import MANIFEST_NAME, read_manifest
+from fanstore_fuse._format import MANIFEST_NAME
 from fanstore_fuse._fuse_ops import Operations
+from fanstore_fuse._manifest import read_manifest
 from fanstore_fuse._settings import Settings
 from fanstore_fuse._transport import NoPeers
 from fanstore_fuse._view import WRITE_FH

@@ -13,7 +13,8 @@ from _harness import mounted
 
 from fanstore_fuse import PrepOptions, prep, verify
 from fanstore_fuse._blobstore import BlobStore
-from fanstore_fuse._format import CODEC_ZSTD_DICT, MANIFEST_NAME, read_manifest
+from fanstore_fuse._format import CODEC_ZSTD_DICT, MANIFEST_NAME
+from fanstore_fuse._manifest import read_manifest
 from fanstore_fuse._namespace import Namespace
 
 

@@ -9,7 +9,8 @@ from typing import Any
 import msgpack
 
 from ._errors import FormatError
-from ._format import ENTRY_COLUMNS, SECTIONS, PartitionInfo, _digest, _header
+from ._format import ENTRY_COLUMNS, SECTIONS, PartitionInfo
+from ._manifest import _digest, _header
 
 
 def read_columns(path: str | os.PathLike[str], names: tuple[str, ...]

@@ -41,8 +41,8 @@ from ._format import (
     checksum,
     partition_header,
     partition_name,
-    write_manifest,
 )
+from ._manifest import write_manifest
 from ._perms import keep_source_access
 from ._walk import Listing, walk
 

@@ -15,14 +15,8 @@ import numpy as np
 
 from ._blobstore import DenseMap
 from ._errors import FanstoreError, FormatError
-from ._format import (
-    MANIFEST_NAME,
-    PARTITION_DATA_START,
-    Manifest,
-    check_manifest_header,
-    check_partition_header,
-    trim_heap,
-)
+from ._format import MANIFEST_NAME, PARTITION_DATA_START, Manifest, check_partition_header
+from ._manifest import check_manifest_header, trim_heap
 
 Ranges = np.ndarray  # k x 2 uint64: (offset, length) of each piece, in copy order
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024

@@ -19,8 +19,9 @@ import trio
 
 from ._blobstore import BlobStore, DenseMap
 from ._errors import FormatError
-from ._format import Manifest, finish_manifest, header_digest, read_manifest, trim_heap
+from ._format import Manifest
 from ._fsio import atomic_write
+from ._manifest import finish_manifest, header_digest, read_manifest, trim_heap
 from ._ring import LocalOnlyPlacement, Locator, Placement
 from ._ring_np import blobs_by_rank
 from ._stage import (

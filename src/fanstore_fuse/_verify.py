@@ -13,13 +13,8 @@ from dataclasses import dataclass, field
 
 from ._blobstore import BlobStore
 from ._errors import FanstoreError
-from ._format import (
-    KIND_FILE,
-    MANIFEST_NAME,
-    PARTITION_DATA_START,
-    check_partition_header,
-    read_manifest,
-)
+from ._format import KIND_FILE, MANIFEST_NAME, PARTITION_DATA_START, check_partition_header
+from ._manifest import read_manifest
 from ._namespace import Namespace
 from ._prep import ordered_map
 
