@@ -49,6 +49,48 @@ static PyTypeObject remote_bytes = {
     .tp_dealloc = remote_bytes_dealloc,
 };
 
+/* A blob a READ in C fetched, for the disk cache: its malloc'd bytes exported as they are
+ * (remote_take hands Python a memoryview of it: no copy on the trio thread). */
+struct held_raw {
+    PyObject_HEAD char *raw;
+    Py_ssize_t n;
+};
+
+static int held_raw_buffer(PyObject *self, Py_buffer *view, int flags) {
+    struct held_raw *h = (struct held_raw *)self;
+    return PyBuffer_FillInfo(view, self, h->raw, h->n, 1, flags);
+}
+
+static void held_raw_dealloc(PyObject *self) {
+    free(((struct held_raw *)self)->raw);
+    PyObject_Free(self);
+}
+
+static PyBufferProcs held_raw_procs = {.bf_getbuffer = held_raw_buffer};
+
+static PyTypeObject held_raw = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "fanstore_fuse._noflush.HeldRaw",
+    .tp_doc = "verified raw bytes of a blob a READ in C fetched (read-only buffer)",
+    .tp_basicsize = sizeof(struct held_raw),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .tp_dealloc = held_raw_dealloc,
+    .tp_as_buffer = &held_raw_procs,
+};
+
+/* A memoryview of `raw` (taken over: freed with the view's last reference), or NULL. */
+static PyObject *view_of(char *raw, size_t n) {
+    struct held_raw *h = PyObject_New(struct held_raw, &held_raw);
+    if (h == NULL) {
+        free(raw);
+        return NULL;
+    }
+    h->raw = raw;
+    h->n = (Py_ssize_t)n;
+    PyObject *view = PyMemoryView_FromObject((PyObject *)h);
+    Py_DECREF(h);
+    return view;
+}
+
 /* The raw bytes of blob b checked where they lie in its stored bytes `body` (*raw set), or
  * OK with *raw NULL when they must be decoded elsewhere (zstd), or CORRUPT. */
 static int check_in_place(uint64_t b, const char *body, const char **raw) {
@@ -146,6 +188,17 @@ void fsr_offer(uint64_t blob, char *raw, size_t n) {
     push_finished(f);
 }
 
+static int types_ready(void) { /* once, under the GIL */
+    if (remote_bytes.tp_base == NULL) {
+        remote_bytes.tp_base = &PyBytes_Type;
+        if (PyType_Ready(&remote_bytes) != 0 || PyType_Ready(&held_raw) != 0) {
+            remote_bytes.tp_base = NULL;
+            return 0;
+        }
+    }
+    return 1;
+}
+
 PyObject *fanstore_py_remote_fetch(PyObject *self, PyObject *args) {
     (void)self;
     int owner;
@@ -156,13 +209,8 @@ PyObject *fanstore_py_remote_fetch(PyObject *self, PyObject *args) {
         return NULL;
     if (blob >= fanstore_blobs.n)
         Py_RETURN_FALSE;
-    if (remote_bytes.tp_base == NULL) {
-        remote_bytes.tp_base = &PyBytes_Type;
-        if (PyType_Ready(&remote_bytes) != 0) {
-            remote_bytes.tp_base = NULL;
-            return NULL;
-        }
-    }
+    if (!types_ready())
+        return NULL;
     struct finished *f = calloc(1, sizeof(*f));
     if (f == NULL)
         return PyErr_NoMemory();
@@ -190,6 +238,8 @@ static PyObject *lay_out(char *raw, size_t n) {
 PyObject *fanstore_py_remote_take(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
+    if (!types_ready())
+        return NULL;
     if (fsr_state.done_fd >= 0)
         fsr_take_pokes(fsr_state.done_fd);
     pthread_mutex_lock(&fsr_state.lock);
@@ -204,9 +254,8 @@ PyObject *fanstore_py_remote_take(PyObject *self, PyObject *unused) {
             token = f->token;
             data = f->status == 0 ? lay_out(f->raw, f->n) : Py_NewRef(Py_None);
         } else {
-            data = PyBytes_FromStringAndSize(f->raw, (Py_ssize_t)f->n);
+            data = view_of(f->raw, f->n);
             token = PyLong_FromUnsignedLongLong(f->blob);
-            free(f->raw);
         }
         PyObject *item = data && out && token ? Py_BuildValue("(NiN)", token, f->status, data) : NULL;
         if (item == NULL || PyList_Append(out, item) != 0)
