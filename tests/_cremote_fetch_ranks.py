@@ -82,6 +82,14 @@ def main() -> None:
         for b in theirs:  # the C thread alone: verified bytes, or an errno (never other bytes)
             got = await remote.fetch(1, b)
             c_status[str(b)] = 0 if got == want[b] else got if isinstance(got, int) else "wrong bytes"
+        cancelled = 0  # waiters cancelled while their calls travel: the outcomes are dropped
+        for b in theirs:
+            with trio.move_on_after(0) as scope:
+                await remote.fetch(1, b)
+            cancelled += scope.cancelled_caught
+        await trio.sleep(0.5)  # their outcomes arrive and are dropped, then fetch again
+        res["after_cancel"] = [b for b in theirs if await source.fetch(b) != want[b]]
+        res["cancelled"] = cancelled
         res.update(fetched=len(theirs) * rounds, mismatched=bad, kinds=sorted(kinds),
                    c_status=c_status, stats=p.node.stats.as_dict(), c=remote.shim.remote_stats())
         # rank 1's C thread stops: a call times out with an errno, the blob source still serves

@@ -59,7 +59,8 @@ def test_python_fetches_large_blobs_byte_for_byte(tmp_path, frames):
     assert client["mismatched"] == []
     assert client["kinds"] == ["RemoteBytes"]  # every blob came through the C thread
     assert set(client["c_status"].values()) == {0}
-    assert client["stats"]["c_remote_reads"] == client["fetched"]
+    assert client["cancelled"] == len(client["c_status"]) and client["after_cancel"] == []
+    assert client["stats"]["c_remote_reads"] == client["fetched"] + len(client["c_status"])
     c = client["c"]
     assert c["corrupt"] == 0 and c["fetched"] >= client["fetched"]
     # raw blobs and blobs of raw frames stay where they were received (no copy); the blobs
