@@ -24,15 +24,10 @@ import trio
 from mpi4py import rc
 
 rc.thread_level = "multiple"
+from _transport_ranks import compose_rank  # noqa: E402 (tests/, this script's directory)
 from mpi4py import MPI  # noqa: E402
 
-from fanstore_fuse._blobstore import BlobStore  # noqa: E402
-from fanstore_fuse._compose import compose  # noqa: E402
 from fanstore_fuse._cremote import CRemote  # noqa: E402
-from fanstore_fuse._format import MANIFEST_NAME, read_manifest  # noqa: E402
-from fanstore_fuse._ring import Placement  # noqa: E402
-from fanstore_fuse._settings import Settings  # noqa: E402
-from fanstore_fuse._transport import MpiTransport  # noqa: E402
 
 
 def rss() -> int:
@@ -46,14 +41,7 @@ def main() -> None:
     comm.Set_errhandler(MPI.ERRORS_RETURN)
     rank = comm.Get_rank()
     ctl = comm.Dup()
-    mine = dest if rank == 0 else served
-    m = read_manifest(os.path.join(mine, MANIFEST_NAME))
-    parts, bpart = m.partitions, m.blobs["part"]
-    pl = Placement(2, 1, is_broadcast=lambda b: parts[bpart[b]].broadcast)
-    store = BlobStore(m, mine)
-    settings = Settings.from_env()
-    p = compose(m, store, mine, pl, rank, lambda t: MpiTransport(comm, t, settings), None,
-                settings, warm_metadata=False)
+    m, pl, store, p = compose_rank(comm, dest if rank == 0 else served)
     assert p.remote is not None
     remote = CRemote.start(comm, store, p.remote, None, 10.0)
     assert remote is not None, "the C remote thread did not start"
