@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from _harness import C_REMOTE_MARKS, prep_cli
 
-from fanstore_fuse._format import MANIFEST_NAME, read_manifest
+from fanstore_fuse._format import MANIFEST_NAME
+from fanstore_fuse._manifest import read_manifest
 from fanstore_fuse._ring import Placement
 
 pytestmark = C_REMOTE_MARKS
