@@ -142,12 +142,14 @@ def print_large(lg: dict) -> None:
           f"({lg.get('chunks')}), 2 ranks of the wheel's mpiexec:")
     if raw:
         print(f"    raw mpi4py stream of {t['raw_message_bytes']} B messages: {raw:,.0f} MB/s; "
-              f"the daemon's transport (fetch + verify, {t['large']['window']} in flight): "
+              f"the daemon's transport through Python's blob source (fetch + verify, "
+              f"{t['large']['window']} in flight; random reads with the disk cache, fallbacks): "
               f"{t['large']['MB_per_s']:,.0f} MB/s = {t['large']['MB_per_s'] / raw:.2f}x "
               f"(runs {lg['transport_ratio_runs']}; bar >= 0.5x)")
         if "c_large" in t:
             c = t["c_large"]
-            print(f"    the same blobs fetched as READs in C fetch them (no Python per blob): "
+            print(f"    the same blobs fetched as READs in C fetch them (sequential readers; "
+                  f"no Python per blob): "
                   f"{c['MB_per_s']:,.0f} MB/s = {c['MB_per_s'] / raw:.2f}x "
                   f"(runs {lg['c_transport_ratio_runs']})")
         print(f"    through FUSE (rank 0's mount, 1 MiB preads): cold {lg['fuse_cold_MB_per_s']:,.0f} "

@@ -130,6 +130,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=4, help="large blobs in flight")
     ap.add_argument("--large-max", type=int, default=64, help="most large blobs fetched")
     ap.add_argument("--large-rounds", type=int, default=1, help="times the large blobs are fetched")
+    ap.add_argument("--no-c-large", action="store_true", help="skip `c_large` (to profile `large`)")
     a = ap.parse_args()
     comm = MPI.COMM_WORLD
     comm.Set_errhandler(MPI.ERRORS_RETURN)
@@ -214,7 +215,7 @@ def main() -> None:
                             "stats": {k: v for k, v in c_remote.shim.remote_stats().items()
                                       if k in ("peak_in_flight", "fetched", "verified_by_worker")}
                             if c_remote is not None else {}}
-            if c_remote is not None:  # the same blobs as READs in C fetch them: no Python per blob
+            if c_remote is not None and not a.no_c_large:  # as READs in C fetch them: no Python per blob
                 await mark("c_start")
                 blobs = np.array(large * a.large_rounds, np.uint64)
                 owners = np.ones(len(blobs), np.int32)

@@ -38,19 +38,27 @@ from fanstore_fuse._settings import Settings  # noqa: E402
 from fanstore_fuse._transport import MpiTransport, RemoteError, _Waiter, read_reply  # noqa: E402
 
 
+def compose_rank(comm, dest: str):
+    """What a daemon composes for this rank of 2 over DEST's partitions, without FUSE:
+    (manifest, placement, store, parts)."""
+    m = read_manifest(os.path.join(dest, MANIFEST_NAME))
+    parts, bpart = m.partitions, m.blobs["part"]
+    pl = Placement(2, 1, is_broadcast=lambda b: parts[bpart[b]].broadcast)
+    store = BlobStore(m, dest)
+    settings = Settings.from_env()
+    p = compose(m, store, dest, pl, comm.Get_rank(), lambda t: MpiTransport(comm, t, settings), None,
+                settings, warm_metadata=False)
+    return m, pl, store, p
+
+
 def main() -> None:
     dest, out_dir = sys.argv[1], sys.argv[2]
     comm = MPI.COMM_WORLD
     comm.Set_errhandler(MPI.ERRORS_RETURN)
     rank = comm.Get_rank()
     ctl = comm.Dup()  # "done" travels here, out of the transport's sight
-    m = read_manifest(os.path.join(dest, MANIFEST_NAME))
-    parts, bpart = m.partitions, m.blobs["part"]
-    pl = Placement(2, 1, is_broadcast=lambda b: parts[bpart[b]].broadcast)
-    store = BlobStore(m, dest)
-    settings = Settings.from_env()
-    p = compose(m, store, dest, pl, rank, lambda t: MpiTransport(comm, t, settings), None,
-                settings, warm_metadata=False)
+    m, pl, store, p = compose_rank(comm, dest)
+    parts = m.partitions
     t = p.transport
     assert isinstance(t, MpiTransport)
     res: dict = {"rank": rank}

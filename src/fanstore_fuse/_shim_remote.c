@@ -1,6 +1,7 @@
 /* Remote blob reads in C: serving other ranks' requests, this rank's calls, the workers, the
- * C API and the Python methods. The design and the wire format: _shim_remote.h; MPI and the
- * remote thread: _shim_remote_mpi.c. */
+ * C API and the Python methods that start and stop the thread. The design and the wire format:
+ * _shim_remote.h; MPI and the remote thread: _shim_remote_mpi.c; Python's fetches:
+ * _shim_remote_py.c. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <malloc.h>
@@ -100,10 +101,14 @@ static void fsr_verify(struct call *c, char *buf, size_t n) {
         fsr_verify_frames(c, buf, n);
         return;
     }
+    if (c->python) {
+        fsr_verify_py(c, buf, n);
+        return;
+    }
     const struct fsr_header *h = (const struct fsr_header *)buf;
     uint64_t b = c->blob;
     size_t raw_len = fanstore_blobs.raw[b];
-    char *raw = c->into != NULL ? c->into : malloc(raw_len ? raw_len : 1);
+    char *raw = malloc(raw_len ? raw_len : 1);
     int rc = raw == NULL ? FANSTORE_BLOB_NOMEM
              : n - sizeof(*h) != fanstore_blobs.stored[b] ? FANSTORE_BLOB_CORRUPT
                                                           : fanstore_blob_decode(b, h + 1, raw);
@@ -113,8 +118,7 @@ static void fsr_verify(struct call *c, char *buf, size_t n) {
         fsr_complete(c, 0, raw, raw_len);
     } else {
         COUNT(corrupt);
-        if (raw != c->into)
-            free(raw);
+        free(raw);
         fsr_complete(c, rc == FANSTORE_BLOB_NOMEM ? -ENOMEM : -EIO, NULL, 0);
     }
 }
@@ -313,47 +317,6 @@ int fsr_add_call(const struct call *proto, double timeout) {
 
 /* ------------------------------------------------------------------ Python */
 
-struct finished { /* for remote_take: a Python call's outcome, or a blob for the disk cache */
-    struct finished *next;
-    PyObject *token; /* NULL: `raw` is blob `blob`, fetched for a READ in C */
-    uint64_t blob;
-    int status;
-    char *raw;
-    size_t n;
-};
-static struct finished *finished_list;
-
-static void push_finished(struct finished *f) {
-    pthread_mutex_lock(&fsr_state.lock);
-    int was_empty = finished_list == NULL; /* else a poke is pending already */
-    f->next = finished_list;
-    finished_list = f;
-    pthread_mutex_unlock(&fsr_state.lock);
-    if (was_empty)
-        fsr_poke(fsr_state.done_fd);
-}
-
-/* ctx: the tuple (token, bytes the raw bytes were decoded into), whose bytes go to Python
- * as they are (`raw` points into them) */
-static void py_done(void *ctx, int status, char *raw, size_t n) {
-    struct finished *f = malloc(sizeof(*f));
-    if (f == NULL)
-        abort(); /* a token would be lost: its reader would wait forever */
-    *f = (struct finished){NULL, (PyObject *)ctx, 0, status, NULL, n};
-    (void)raw;
-    push_finished(f);
-}
-
-void fsr_offer(uint64_t blob, char *raw, size_t n) {
-    struct finished *f = malloc(sizeof(*f));
-    if (f == NULL) {
-        free(raw); /* not cached: nothing else is lost */
-        return;
-    }
-    *f = (struct finished){NULL, NULL, blob, 1, raw, n};
-    push_finished(f);
-}
-
 PyObject *fanstore_py_remote_start(PyObject *self, PyObject *args) {
     (void)self;
     const char *libmpi;
@@ -462,69 +425,11 @@ PyObject *fanstore_py_remote_stop(PyObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-PyObject *fanstore_py_remote_fetch(PyObject *self, PyObject *args) {
-    (void)self;
-    int owner;
-    unsigned long long blob;
-    PyObject *token;
-    double timeout;
-    if (!PyArg_ParseTuple(args, "iKOd", &owner, &blob, &token, &timeout))
-        return NULL;
-    if (blob >= fanstore_blobs.n)
-        Py_RETURN_FALSE;
-    /* the reply is decoded straight into the bytes object Python gets: no copy on the way */
-    PyObject *into = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)fanstore_blobs.raw[blob]);
-    PyObject *ctx = into ? PyTuple_Pack(2, token, into) : NULL;
-    Py_XDECREF(into);
-    if (ctx == NULL)
-        return NULL;
-    struct call proto = {.blob = blob, .owner = owner, .op = FSR_OP_FETCH, .hi = fanstore_blobs.stored[blob],
-                         .done = py_done, .ctx = ctx, .into = PyBytes_AS_STRING(into)};
-    int rc = fsr_add_call(&proto, timeout);
-    if (rc != 0)
-        Py_DECREF(ctx);
-    return PyBool_FromLong(rc == 0);
-}
-
-PyObject *fanstore_py_remote_take(PyObject *self, PyObject *unused) {
-    (void)self;
-    (void)unused;
-    if (fsr_state.done_fd >= 0)
-        fsr_take_pokes(fsr_state.done_fd);
-    pthread_mutex_lock(&fsr_state.lock);
-    struct finished *f = finished_list;
-    finished_list = NULL;
-    pthread_mutex_unlock(&fsr_state.lock);
-    PyObject *out = PyList_New(0);
-    while (f != NULL) {
-        struct finished *next = f->next;
-        PyObject *data, *token;
-        if (f->token != NULL) { /* (token, bytes): the bytes hold the blob when status is 0 */
-            token = PyTuple_GET_ITEM(f->token, 0);
-            data = f->status == 0 ? PyTuple_GET_ITEM(f->token, 1) : Py_None;
-            Py_INCREF(token);
-            Py_INCREF(data);
-            Py_DECREF(f->token);
-        } else {
-            data = PyBytes_FromStringAndSize(f->raw, (Py_ssize_t)f->n);
-            token = PyLong_FromUnsignedLongLong(f->blob);
-        }
-        PyObject *item = data && out && token ? Py_BuildValue("(NiN)", token, f->status, data) : NULL;
-        if (item == NULL || PyList_Append(out, item) != 0)
-            abort(); /* out of memory with readers waiting */
-        Py_DECREF(item);
-        free(f->raw);
-        free(f);
-        f = next;
-    }
-    return out;
-}
-
 PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
     return Py_BuildValue(
-        "{sisisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "reading", fanstore_remote_reading(), "bells",
+        "{sisisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "reading", fanstore_remote_reading(), "bells",
         fsr_state.gathered == 1, "polls", fsr_stats.polls, "bell_wakes", fsr_stats.bell_wakes, "served", fsr_stats.served,
         "served_io", fsr_stats.served_io, "served_bytes", fsr_stats.served_bytes, "bad_requests", fsr_stats.bad_requests,
         "error_replies", fsr_stats.error_replies, "fetched", fsr_stats.fetched, "fetched_bytes", fsr_stats.fetched_bytes,
@@ -534,5 +439,6 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
         fsr_stats.c_read_bytes, "c_read_fallbacks", fsr_stats.c_read_fallbacks, "cache_offers",
         fsr_stats.cache_offers, "c_range_reads", fsr_stats.c_range_reads, "c_chunk_hits",
         fsr_stats.c_chunk_hits, "c_fetch_ahead", fsr_stats.c_fetch_ahead, "send_waits", fsr_stats.send_waits,
-        "worker_sends", fsr_stats.worker_sends, "served_mapped", fsr_stats.served_mapped);
+        "worker_sends", fsr_stats.worker_sends, "served_mapped", fsr_stats.served_mapped,
+        "py_in_place", fsr_stats.py_in_place);
 }

@@ -1,4 +1,4 @@
-/* Internal to _shim_remote.c (serving, calls, the Python methods) and _shim_remote_mpi.c (MPI
+/* Internal to _shim_remote.c (serving, calls), _shim_remote_py.c (Python's fetches) and _shim_remote_mpi.c (MPI
  * and the remote thread): their shared state and functions. The design: _shim_remote.h. */
 #ifndef FANSTORE_SHIM_REMOTE_INT_H
 #define FANSTORE_SHIM_REMOTE_INT_H
@@ -50,8 +50,7 @@ struct call { /* one request of this rank, in flight */
     int posted; /* its request was handed to MPI (under the lock) */
     int op;
     uint64_t lo, hi; /* the request's range (FETCH: stored, the whole blob; FRAMES: raw) */
-    char *into;      /* FETCH: decode the raw bytes here (raw[blob] bytes, not freed), not into
-                        a malloc'd buffer: a Python bytes object made by remote_fetch */
+    int python;      /* FETCH from Python's remote_fetch: verified by fsr_verify_py */
 };
 
 struct out { /* a message for the remote thread to send, or one sent already (`posted`: its
@@ -109,7 +108,7 @@ struct fsr_stats {
         error_replies, fetched, fetched_bytes, corrupt, timeouts, peer_errors, send_errors,
         verified_by_worker, open_calls, peak_calls, c_reads, c_read_bytes, c_read_fallbacks,
         cache_offers, c_range_reads, c_chunk_hits, c_fetch_ahead, send_waits, worker_sends,
-        served_mapped;
+        served_mapped, py_in_place;
 };
 extern struct fsr_stats fsr_stats;
 
@@ -144,7 +143,9 @@ void fsr_complete(struct call *c, int status, char *raw, size_t n); /* calls don
 int fsr_add_call(const struct call *proto, double timeout); /* fanstore_remote_fetch's core */
 void fsr_answered(char *buf, size_t n);
 void *fsr_worker(void *unused);
+/* _shim_remote_py.c: Python's calls */
 void fsr_offer(uint64_t blob, char *raw, size_t n); /* raw bytes for the disk cache (taken over) */
+void fsr_verify_py(struct call *c, char *buf, size_t n); /* a reply to Python's call (buf taken over) */
 /* _shim_remote_range.c: FSR_OP_FRAMES */
 char *fsr_serve_frames(const struct fsr_header *req, int nowait, size_t *n, int *again, int *tag);
 void fsr_verify_frames(struct call *c, char *buf, size_t n);
