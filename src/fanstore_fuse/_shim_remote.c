@@ -103,17 +103,22 @@ static void fsr_verify(struct call *c, char *buf, size_t n) {
     const struct fsr_header *h = (const struct fsr_header *)buf;
     uint64_t b = c->blob;
     size_t raw_len = fanstore_blobs.raw[b];
-    char *raw = c->into != NULL ? c->into : malloc(raw_len ? raw_len : 1);
+    /* kept, stored raw: checked where it was received, no copy (the call keeps `buf`) */
+    int in_place = c->kept != NULL && fanstore_blobs.codec[b] == FANSTORE_CODEC_RAW;
+    char *raw = c->into != NULL ? c->into : in_place ? buf + sizeof(*h) : malloc(raw_len ? raw_len : 1);
     int rc = raw == NULL ? FANSTORE_BLOB_NOMEM
              : n - sizeof(*h) != fanstore_blobs.stored[b] ? FANSTORE_BLOB_CORRUPT
                                                           : fanstore_blob_decode(b, h + 1, raw);
-    free(buf);
+    if (rc == FANSTORE_BLOB_OK && c->kept != NULL)
+        c->mem = in_place ? buf : raw;
+    if (rc != FANSTORE_BLOB_OK || !in_place)
+        free(buf);
     if (rc == FANSTORE_BLOB_OK) {
         COUNT(fetched);
         fsr_complete(c, 0, raw, raw_len);
     } else {
         COUNT(corrupt);
-        if (raw != c->into)
+        if (raw != c->into && !in_place)
             free(raw);
         fsr_complete(c, rc == FANSTORE_BLOB_NOMEM ? -ENOMEM : -EIO, NULL, 0);
     }
@@ -318,8 +323,9 @@ struct finished { /* for remote_take: a Python call's outcome, or a blob for the
     PyObject *token; /* NULL: `raw` is blob `blob`, fetched for a READ in C */
     uint64_t blob;
     int status;
-    char *raw;
+    const char *raw;
     size_t n;
+    void *mem; /* what to free() once taken (`raw` lies inside it) */
 };
 static struct finished *finished_list;
 
@@ -339,18 +345,18 @@ static void py_done(void *ctx, int status, char *raw, size_t n) {
     struct finished *f = malloc(sizeof(*f));
     if (f == NULL)
         abort(); /* a token would be lost: its reader would wait forever */
-    *f = (struct finished){NULL, (PyObject *)ctx, 0, status, NULL, n};
+    *f = (struct finished){NULL, (PyObject *)ctx, 0, status, NULL, n, NULL};
     (void)raw;
     push_finished(f);
 }
 
-void fsr_offer(uint64_t blob, char *raw, size_t n) {
+void fsr_offer(uint64_t blob, const char *raw, size_t n, void *mem) {
     struct finished *f = malloc(sizeof(*f));
     if (f == NULL) {
-        free(raw); /* not cached: nothing else is lost */
+        free(mem); /* not cached: nothing else is lost */
         return;
     }
-    *f = (struct finished){NULL, NULL, blob, 1, raw, n};
+    *f = (struct finished){NULL, NULL, blob, 1, raw, n, mem};
     push_finished(f);
 }
 
@@ -454,6 +460,7 @@ PyObject *fanstore_py_remote_stop(PyObject *self, PyObject *unused) {
     }
     fsr_state.running = fsr_state.ready = 0;
     close(fsr_state.bell_fd);
+    fsr_bells_close();
     close(fsr_state.wake_fd);
     fsr_state.bell_fd = fsr_state.wake_fd = -1;
     if (fsr_state.nsends == 0) /* no peer may still read a bare reply's pages */
@@ -513,7 +520,7 @@ PyObject *fanstore_py_remote_take(PyObject *self, PyObject *unused) {
         if (item == NULL || PyList_Append(out, item) != 0)
             abort(); /* out of memory with readers waiting */
         Py_DECREF(item);
-        free(f->raw);
+        free(f->mem);
         free(f);
         f = next;
     }
@@ -524,7 +531,7 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
     return Py_BuildValue(
-        "{sisisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "reading", fanstore_remote_reading(), "bells",
+        "{sisisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "reading", fanstore_remote_reading(), "bells",
         fsr_state.gathered == 1, "polls", fsr_stats.polls, "bell_wakes", fsr_stats.bell_wakes, "served", fsr_stats.served,
         "served_io", fsr_stats.served_io, "served_bytes", fsr_stats.served_bytes, "bad_requests", fsr_stats.bad_requests,
         "error_replies", fsr_stats.error_replies, "fetched", fsr_stats.fetched, "fetched_bytes", fsr_stats.fetched_bytes,
@@ -534,5 +541,5 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
         fsr_stats.c_read_bytes, "c_read_fallbacks", fsr_stats.c_read_fallbacks, "cache_offers",
         fsr_stats.cache_offers, "c_range_reads", fsr_stats.c_range_reads, "c_chunk_hits",
         fsr_stats.c_chunk_hits, "c_fetch_ahead", fsr_stats.c_fetch_ahead, "send_waits", fsr_stats.send_waits,
-        "worker_sends", fsr_stats.worker_sends, "served_mapped", fsr_stats.served_mapped);
+        "worker_sends", fsr_stats.worker_sends, "served_mapped", fsr_stats.served_mapped, "local_rings", fsr_stats.local_rings);
 }

@@ -109,7 +109,7 @@ struct fsr_stats {
         error_replies, fetched, fetched_bytes, corrupt, timeouts, peer_errors, send_errors,
         verified_by_worker, open_calls, peak_calls, c_reads, c_read_bytes, c_read_fallbacks,
         cache_offers, c_range_reads, c_chunk_hits, c_fetch_ahead, send_waits, worker_sends,
-        served_mapped;
+        served_mapped, local_rings;
 };
 extern struct fsr_stats fsr_stats;
 
@@ -144,7 +144,8 @@ void fsr_complete(struct call *c, int status, char *raw, size_t n); /* calls don
 int fsr_add_call(const struct call *proto, double timeout); /* fanstore_remote_fetch's core */
 void fsr_answered(char *buf, size_t n);
 void *fsr_worker(void *unused);
-void fsr_offer(uint64_t blob, char *raw, size_t n); /* raw bytes for the disk cache (taken over) */
+void fsr_offer(uint64_t blob, const char *raw, size_t n, void *mem); /* raw bytes for the disk cache,
+                                                                      inside `mem` (taken over) */
 /* _shim_remote_range.c: FSR_OP_FRAMES */
 char *fsr_serve_frames(const struct fsr_header *req, int nowait, size_t *n, int *again, int *tag);
 void fsr_verify_frames(struct call *c, char *buf, size_t n);
@@ -170,6 +171,7 @@ void fsr_queue_out(int dest, int tag, char *buf, size_t n);
 int fsr_send(int dest, int tag, char *buf, size_t n, double linger);
 /* Send call `id`'s request (`h`, taken over) from this thread; a refusal ends the call (EIO). */
 void fsr_send_request(const struct call *proto, uint64_t id, struct fsr_header *h);
+void fsr_bells_close(void); /* the local bell socket (remote_stop, the threads joined) */
 void fsr_read_knobs(void); /* FANSTORE_CREMOTE_DIRECT, FANSTORE_MPI_BELL_IDLE (remote_start) */
 /* Whether a worker sends its reply of n bytes itself (FANSTORE_CREMOTE_WORKER_SEND, on by
  * default): only a reply that is likely eager, and only while the remote thread is not stuck in
