@@ -1,6 +1,6 @@
-/* Remote blob reads in C: serving other ranks' requests, this rank's calls, the workers, the
- * C API and the Python methods. The design and the wire format: _shim_remote.h; MPI and the
- * remote thread: _shim_remote_mpi.c. */
+/* Remote blob reads in C: this rank's calls, the workers, the C API and the Python methods.
+ * The design and the wire format: _shim_remote.h; MPI and the remote thread:
+ * _shim_remote_mpi.c; serving other ranks' requests: _shim_remote_serve_map.c. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <malloc.h>
@@ -13,64 +13,6 @@
 struct fsr_state fsr_state = {.lock = PTHREAD_MUTEX_INITIALIZER, .job_cond = PTHREAD_COND_INITIALIZER,
                               .wake_fd = -1, .done_fd = -1, .bell_fd = -1};
 struct fsr_stats fsr_stats;
-
-/* ------------------------------------------------------------------ serving */
-
-char *fsr_error_reply(const struct fsr_header *req, int err, size_t *n) {
-    struct fsr_header *h = malloc(sizeof(*h));
-    if (h != NULL) {
-        *h = *req;
-        h->magic = FSR_MAGIC;
-        h->version = FSR_VERSION;
-        h->err = err;
-        h->lo = h->hi = 0;
-    }
-    *n = sizeof(*h);
-    return (char *)h;
-}
-
-/* The reply to `req`: bytes read (nowait: only from the page cache; NULL and *again set when
- * the disk must be read), or an error reply. */
-char *fsr_serve(const struct fsr_header *req, int nowait, size_t *n, int *again, int *tag) {
-    *again = 0;
-    *tag = FSR_TAG_REPLY;
-    if (req->magic != FSR_MAGIC || req->version != FSR_VERSION ||
-        (req->op != FSR_OP_FETCH && req->op != FSR_OP_FRAMES)) {
-        COUNT(bad_requests);
-        return fsr_error_reply(req, EPROTO, n);
-    }
-    if (req->op == FSR_OP_FRAMES)
-        return fsr_serve_frames(req, nowait, n, again, tag);
-    uint64_t b = req->blob;
-    if (b >= fanstore_blobs.n || !fanstore_blob_held(b))
-        return fsr_error_reply(req, ENOENT, n);
-    if (req->lo > req->hi || req->hi > fanstore_blobs.stored[b])
-        return fsr_error_reply(req, EINVAL, n);
-    size_t len = (size_t)(req->hi - req->lo);
-    char *bare = len == fanstore_blobs.stored[b] ? fsr_serve_bare(req, len, nowait, n, again, tag) : NULL;
-    if (bare != NULL || *again)
-        return bare;
-    char *buf = malloc(sizeof(struct fsr_header) + len);
-    if (buf == NULL)
-        return fsr_error_reply(req, ENOMEM, n);
-    int rc = fanstore_blob_pread(b, req->lo, len, buf + sizeof(struct fsr_header), nowait);
-    if (rc == FANSTORE_BLOB_AGAIN) {
-        free(buf);
-        *again = 1;
-        return NULL;
-    }
-    if (rc != FANSTORE_BLOB_OK) {
-        free(buf);
-        return fsr_error_reply(req, rc == FANSTORE_BLOB_NOT_HELD ? ENOENT : EIO, n);
-    }
-    struct fsr_header *h = (struct fsr_header *)buf;
-    *h = *req;
-    h->err = 0;
-    *n = sizeof(*h) + len;
-    COUNT(served);
-    ADD(served_bytes, len);
-    return buf;
-}
 
 void fsr_push_job(struct job *j) {
     pthread_mutex_lock(&fsr_state.lock);

@@ -1,5 +1,6 @@
-/* Internal to _shim_remote.c (serving, calls, the Python methods) and _shim_remote_mpi.c (MPI
- * and the remote thread): their shared state and functions. The design: _shim_remote.h. */
+/* Internal to _shim_remote.c (calls, workers, the Python methods), _shim_remote_serve_map.c
+ * (serving), _shim_remote_range.c and _shim_remote_mpi.c (MPI, bells and the remote thread):
+ * their shared state and functions. The design: _shim_remote.h. */
 #ifndef FANSTORE_SHIM_REMOTE_INT_H
 #define FANSTORE_SHIM_REMOTE_INT_H
 #include <errno.h>
@@ -134,7 +135,7 @@ static inline void fsr_take_pokes(int fd) { /* an eventfd: one read resets its c
     (void)r;
 }
 
-/* _shim_remote.c: serving, calls, workers */
+/* _shim_remote_serve_map.c: serving (fsr_error_reply, fsr_serve); _shim_remote.c: calls, workers */
 char *fsr_error_reply(const struct fsr_header *req, int err, size_t *n);
 /* *tag: the tag to send the reply with (FSR_TAG_REPLY, or a bare reply's) */
 char *fsr_serve(const struct fsr_header *req, int nowait, size_t *n, int *again, int *tag);
