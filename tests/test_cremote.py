@@ -292,3 +292,21 @@ def test_workers_send_their_small_replies(tmp_path, mount_factory, knob):
     assert c["served"] > 0 and c["served_io"] > 0, c
     assert c["worker_sends"] == (c["served_io"] if knob == "1" else 0), c
     assert c["corrupt"] == c["timeouts"] == 0, c
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("knob", ["1", "0"])
+def test_peers_of_one_host_ring_a_local_bell(tmp_path, mount_factory, knob):
+    """Ranks of one host ring each other's bell on a local datagram socket (an abstract name
+    made of the UDP bell's port: `local_rings`), not through loopback's UDP/IP stack;
+    `FANSTORE_CREMOTE_LOCAL_BELL=0` rings by UDP only. Either way every bell wakes its rank
+    (`bell_wakes`), and every file reads back byte for byte from both ranks."""
+    data = _small_tree(tmp_path)
+    m = _mount_small(tmp_path, mount_factory, {"FANSTORE_CREMOTE_LOCAL_BELL": knob})
+    for mp in m.mountpoints:
+        _read_all(mp, data)
+    for r in status_ranks(m.status()):
+        c = r["c_remote"]
+        assert c["served"] > 0 and c["c_reads"] > 0 and c["bell_wakes"] > 0, r
+        assert c["corrupt"] == c["timeouts"] == c["c_read_fallbacks"] == 0, r
+        assert (c["local_rings"] > 0) if knob == "1" else (c["local_rings"] == 0), c

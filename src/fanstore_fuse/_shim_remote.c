@@ -1,7 +1,7 @@
-/* Remote blob reads in C: serving other ranks' requests, this rank's calls, the workers, the
- * C API and the Python methods that start and stop the thread. The design and the wire format:
- * _shim_remote.h; MPI and the remote thread: _shim_remote_mpi.c; Python's fetches:
- * _shim_remote_py.c. */
+/* Remote blob reads in C: this rank's calls, the workers, the C API and the Python methods
+ * that start and stop the thread. The design and the wire format: _shim_remote.h; MPI and
+ * the remote thread: _shim_remote_mpi.c; serving other ranks' requests:
+ * _shim_remote_serve_map.c; Python's fetches: _shim_remote_py.c. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <malloc.h>
@@ -14,64 +14,6 @@
 struct fsr_state fsr_state = {.lock = PTHREAD_MUTEX_INITIALIZER, .job_cond = PTHREAD_COND_INITIALIZER,
                               .wake_fd = -1, .done_fd = -1, .bell_fd = -1};
 struct fsr_stats fsr_stats;
-
-/* ------------------------------------------------------------------ serving */
-
-char *fsr_error_reply(const struct fsr_header *req, int err, size_t *n) {
-    struct fsr_header *h = malloc(sizeof(*h));
-    if (h != NULL) {
-        *h = *req;
-        h->magic = FSR_MAGIC;
-        h->version = FSR_VERSION;
-        h->err = err;
-        h->lo = h->hi = 0;
-    }
-    *n = sizeof(*h);
-    return (char *)h;
-}
-
-/* The reply to `req`: bytes read (nowait: only from the page cache; NULL and *again set when
- * the disk must be read), or an error reply. */
-char *fsr_serve(const struct fsr_header *req, int nowait, size_t *n, int *again, int *tag) {
-    *again = 0;
-    *tag = FSR_TAG_REPLY;
-    if (req->magic != FSR_MAGIC || req->version != FSR_VERSION ||
-        (req->op != FSR_OP_FETCH && req->op != FSR_OP_FRAMES)) {
-        COUNT(bad_requests);
-        return fsr_error_reply(req, EPROTO, n);
-    }
-    if (req->op == FSR_OP_FRAMES)
-        return fsr_serve_frames(req, nowait, n, again, tag);
-    uint64_t b = req->blob;
-    if (b >= fanstore_blobs.n || !fanstore_blob_held(b))
-        return fsr_error_reply(req, ENOENT, n);
-    if (req->lo > req->hi || req->hi > fanstore_blobs.stored[b])
-        return fsr_error_reply(req, EINVAL, n);
-    size_t len = (size_t)(req->hi - req->lo);
-    char *bare = len == fanstore_blobs.stored[b] ? fsr_serve_bare(req, len, nowait, n, again, tag) : NULL;
-    if (bare != NULL || *again)
-        return bare;
-    char *buf = malloc(sizeof(struct fsr_header) + len);
-    if (buf == NULL)
-        return fsr_error_reply(req, ENOMEM, n);
-    int rc = fanstore_blob_pread(b, req->lo, len, buf + sizeof(struct fsr_header), nowait);
-    if (rc == FANSTORE_BLOB_AGAIN) {
-        free(buf);
-        *again = 1;
-        return NULL;
-    }
-    if (rc != FANSTORE_BLOB_OK) {
-        free(buf);
-        return fsr_error_reply(req, rc == FANSTORE_BLOB_NOT_HELD ? ENOENT : EIO, n);
-    }
-    struct fsr_header *h = (struct fsr_header *)buf;
-    *h = *req;
-    h->err = 0;
-    *n = sizeof(*h) + len;
-    COUNT(served);
-    ADD(served_bytes, len);
-    return buf;
-}
 
 void fsr_push_job(struct job *j) {
     pthread_mutex_lock(&fsr_state.lock);
@@ -108,17 +50,23 @@ static void fsr_verify(struct call *c, char *buf, size_t n) {
     const struct fsr_header *h = (const struct fsr_header *)buf;
     uint64_t b = c->blob;
     size_t raw_len = fanstore_blobs.raw[b];
-    char *raw = malloc(raw_len ? raw_len : 1);
+    /* kept, stored raw: checked where it was received, no copy (the call keeps `buf`) */
+    int in_place = c->kept != NULL && fanstore_blobs.codec[b] == FANSTORE_CODEC_RAW;
+    char *raw = in_place ? buf + sizeof(*h) : malloc(raw_len ? raw_len : 1);
     int rc = raw == NULL ? FANSTORE_BLOB_NOMEM
              : n - sizeof(*h) != fanstore_blobs.stored[b] ? FANSTORE_BLOB_CORRUPT
                                                           : fanstore_blob_decode(b, h + 1, raw);
-    free(buf);
+    if (rc == FANSTORE_BLOB_OK && c->kept != NULL)
+        c->mem = in_place ? buf : raw;
+    if (rc != FANSTORE_BLOB_OK || !in_place)
+        free(buf);
     if (rc == FANSTORE_BLOB_OK) {
         COUNT(fetched);
         fsr_complete(c, 0, raw, raw_len);
     } else {
         COUNT(corrupt);
-        free(raw);
+        if (!in_place)
+            free(raw);
         fsr_complete(c, rc == FANSTORE_BLOB_NOMEM ? -ENOMEM : -EIO, NULL, 0);
     }
 }
@@ -417,6 +365,7 @@ PyObject *fanstore_py_remote_stop(PyObject *self, PyObject *unused) {
     }
     fsr_state.running = fsr_state.ready = 0;
     close(fsr_state.bell_fd);
+    fsr_bells_close();
     close(fsr_state.wake_fd);
     fsr_state.bell_fd = fsr_state.wake_fd = -1;
     if (fsr_state.nsends == 0) /* no peer may still read a bare reply's pages */
@@ -429,7 +378,7 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
     return Py_BuildValue(
-        "{sisisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "reading", fanstore_remote_reading(), "bells",
+        "{sisisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "reading", fanstore_remote_reading(), "bells",
         fsr_state.gathered == 1, "polls", fsr_stats.polls, "bell_wakes", fsr_stats.bell_wakes, "served", fsr_stats.served,
         "served_io", fsr_stats.served_io, "served_bytes", fsr_stats.served_bytes, "bad_requests", fsr_stats.bad_requests,
         "error_replies", fsr_stats.error_replies, "fetched", fsr_stats.fetched, "fetched_bytes", fsr_stats.fetched_bytes,
@@ -440,5 +389,5 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
         fsr_stats.cache_offers, "c_range_reads", fsr_stats.c_range_reads, "c_chunk_hits",
         fsr_stats.c_chunk_hits, "c_fetch_ahead", fsr_stats.c_fetch_ahead, "send_waits", fsr_stats.send_waits,
         "worker_sends", fsr_stats.worker_sends, "served_mapped", fsr_stats.served_mapped,
-        "py_in_place", fsr_stats.py_in_place);
+        "py_in_place", fsr_stats.py_in_place, "local_rings", fsr_stats.local_rings);
 }

@@ -85,7 +85,9 @@ int fanstore_remote_fetch_range(int owner, uint64_t blob, uint64_t lo, uint64_t 
 
 /* As fanstore_remote_fetch_range, but the bytes are kept: they lie inside `mem`, the callee's
  * to free() (NULL when status is not 0). Raw frames are checked where they were received:
- * no copy. */
+ * no copy. A blob that is not framed may be asked for whole only (lo 0, hi its raw length):
+ * an FSR_OP_FETCH, whose reply is checked where it was received when the blob is stored raw
+ * (no copy either), else decoded into `mem`. */
 typedef void (*fanstore_remote_kept)(void *ctx, int status, const char *bytes, size_t n, void *mem);
 int fanstore_remote_fetch_kept(int owner, uint64_t blob, uint64_t lo, uint64_t hi, double timeout,
                                fanstore_remote_kept kept, void *ctx);

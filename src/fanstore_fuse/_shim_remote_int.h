@@ -1,5 +1,7 @@
-/* Internal to _shim_remote.c (serving, calls), _shim_remote_py.c (Python's fetches) and _shim_remote_mpi.c (MPI
- * and the remote thread): their shared state and functions. The design: _shim_remote.h. */
+/* Internal to _shim_remote.c (calls, workers, the Python methods that start and stop the
+ * thread), _shim_remote_py.c (Python's fetches), _shim_remote_serve_map.c (serving),
+ * _shim_remote_range.c and _shim_remote_mpi.c (MPI, bells and the remote thread): their
+ * shared state and functions. The design: _shim_remote.h. */
 #ifndef FANSTORE_SHIM_REMOTE_INT_H
 #define FANSTORE_SHIM_REMOTE_INT_H
 #include <errno.h>
@@ -108,7 +110,7 @@ struct fsr_stats {
         error_replies, fetched, fetched_bytes, corrupt, timeouts, peer_errors, send_errors,
         verified_by_worker, open_calls, peak_calls, c_reads, c_read_bytes, c_read_fallbacks,
         cache_offers, c_range_reads, c_chunk_hits, c_fetch_ahead, send_waits, worker_sends,
-        served_mapped, py_in_place;
+        served_mapped, py_in_place, local_rings;
 };
 extern struct fsr_stats fsr_stats;
 
@@ -133,7 +135,7 @@ static inline void fsr_take_pokes(int fd) { /* an eventfd: one read resets its c
     (void)r;
 }
 
-/* _shim_remote.c: serving, calls, workers */
+/* _shim_remote_serve_map.c: serving (fsr_error_reply, fsr_serve); _shim_remote.c: calls, workers */
 char *fsr_error_reply(const struct fsr_header *req, int err, size_t *n);
 /* *tag: the tag to send the reply with (FSR_TAG_REPLY, or a bare reply's) */
 char *fsr_serve(const struct fsr_header *req, int nowait, size_t *n, int *again, int *tag);
@@ -144,7 +146,8 @@ int fsr_add_call(const struct call *proto, double timeout); /* fanstore_remote_f
 void fsr_answered(char *buf, size_t n);
 void *fsr_worker(void *unused);
 /* _shim_remote_py.c: Python's calls */
-void fsr_offer(uint64_t blob, char *raw, size_t n); /* raw bytes for the disk cache (taken over) */
+void fsr_offer(uint64_t blob, const char *raw, size_t n, void *mem); /* raw bytes for the disk cache,
+                                                                      inside `mem` (taken over) */
 void fsr_verify_py(struct call *c, char *buf, size_t n); /* a reply to Python's call (buf taken over) */
 /* _shim_remote_range.c: FSR_OP_FRAMES */
 char *fsr_serve_frames(const struct fsr_header *req, int nowait, size_t *n, int *again, int *tag);
@@ -171,6 +174,7 @@ void fsr_queue_out(int dest, int tag, char *buf, size_t n);
 int fsr_send(int dest, int tag, char *buf, size_t n, double linger);
 /* Send call `id`'s request (`h`, taken over) from this thread; a refusal ends the call (EIO). */
 void fsr_send_request(const struct call *proto, uint64_t id, struct fsr_header *h);
+void fsr_bells_close(void); /* the local bell socket (remote_stop, the threads joined) */
 void fsr_read_knobs(void); /* FANSTORE_CREMOTE_DIRECT, FANSTORE_MPI_BELL_IDLE (remote_start) */
 /* Whether a worker sends its reply of n bytes itself (FANSTORE_CREMOTE_WORKER_SEND, on by
  * default): only a reply that is likely eager, and only while the remote thread is not stuck in

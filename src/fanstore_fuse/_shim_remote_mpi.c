@@ -5,7 +5,10 @@
 #include <dlfcn.h>
 #include <netdb.h>
 #include <poll.h>
+#include <stddef.h>
+#include <stdio.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 
 #include "_shim_remote_int.h"
 
@@ -27,12 +30,73 @@ const char *fsr_find_mpi(const char *path) {
     return NULL;
 }
 
+/* ------------------------------------------------------------------ bells of one host */
+
+/* A peer on this host (the same host name in the bell exchange) is rung on a local datagram
+ * socket, bound to an abstract name made of its UDP bell's port, not through the UDP/IP stack
+ * of loopback: measured cheaper per ring (docs/performance.md, eighth session). A peer whose
+ * name does not answer (no such socket: ECONNREFUSED) is rung by UDP from then on.
+ * FANSTORE_CREMOTE_LOCAL_BELL=0: UDP only. */
+static int ubell_fd = -1;
+static struct sockaddr_un *upeers; /* per rank, with ulen[rank] its length (0: use UDP) */
+static socklen_t *ulen;
+
+static socklen_t bell_name(struct sockaddr_un *a, uint16_t port) { /* port: network order */
+    memset(a, 0, sizeof(*a));
+    a->sun_family = AF_UNIX; /* sun_path[0] 0: abstract, gone with the socket */
+    int k = snprintf(a->sun_path + 1, sizeof(a->sun_path) - 1, "fanstore-bell-%u", (unsigned)ntohs(port));
+    return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)k);
+}
+
+static void local_bell_open(uint16_t port) {
+    const char *knob = getenv("FANSTORE_CREMOTE_LOCAL_BELL");
+    if (port == 0 || (knob != NULL && strcmp(knob, "0") == 0))
+        return;
+    struct sockaddr_un me;
+    socklen_t n = bell_name(&me, port);
+    int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd >= 0 && bind(fd, (struct sockaddr *)&me, n) != 0) {
+        close(fd);
+        fd = -1;
+    }
+    ubell_fd = fd;
+}
+
+static void local_bell_peers(void) { /* after fsr_take_bells */
+    if (ubell_fd < 0 || (upeers = calloc((size_t)fsr_state.size, sizeof(*upeers))) == NULL ||
+        (ulen = calloc((size_t)fsr_state.size, sizeof(*ulen))) == NULL)
+        return;
+    for (int r = 0; r < fsr_state.size; r++)
+        if (r != fsr_state.rank && fsr_state.peers[r].sin_port &&
+            memcmp(fsr_state.bell_table + (size_t)r * BELL_RECORD, fsr_state.bell_mine, 64) == 0)
+            ulen[r] = bell_name(&upeers[r], fsr_state.peers[r].sin_port);
+}
+
+void fsr_bells_close(void) {
+    if (ubell_fd >= 0)
+        close(ubell_fd);
+    ubell_fd = -1;
+    free(upeers);
+    free(ulen);
+    upeers = NULL;
+    ulen = NULL;
+}
+
 /* ------------------------------------------------------------------ sending */
 
 static void fsr_ring(int dest) {
-    if (fsr_state.peers != NULL && dest >= 0 && dest < fsr_state.size && fsr_state.peers[dest].sin_port)
-        (void)sendto(fsr_state.bell_fd, "", 1, MSG_DONTWAIT, (struct sockaddr *)&fsr_state.peers[dest],
-                     sizeof(fsr_state.peers[dest]));
+    if (fsr_state.peers == NULL || dest < 0 || dest >= fsr_state.size || !fsr_state.peers[dest].sin_port)
+        return;
+    socklen_t n = ulen != NULL ? __atomic_load_n(&ulen[dest], __ATOMIC_RELAXED) : 0;
+    if (n != 0) {
+        if (sendto(ubell_fd, "", 1, MSG_DONTWAIT, (struct sockaddr *)&upeers[dest], n) == 1 || errno == EAGAIN) {
+            COUNT(local_rings); /* EAGAIN: its queue is full of bells already */
+            return;
+        }
+        __atomic_store_n(&ulen[dest], 0, __ATOMIC_RELAXED); /* nobody there: UDP from now on */
+    }
+    (void)sendto(fsr_state.bell_fd, "", 1, MSG_DONTWAIT, (struct sockaddr *)&fsr_state.peers[dest],
+                 sizeof(fsr_state.peers[dest]));
 }
 
 static void fsr_track(int req, char *buf) {
@@ -199,8 +263,10 @@ static void fsr_post_gather(void) {
     if (he != NULL && he->h_addrtype == AF_INET && he->h_addr_list[0] != NULL)
         memcpy(&ip, he->h_addr_list[0], 4);
     memcpy(fsr_state.bell_mine + 64, &ip, 4);
-    if (getsockname(fsr_state.bell_fd, (struct sockaddr *)&me, &len) == 0)
+    if (getsockname(fsr_state.bell_fd, (struct sockaddr *)&me, &len) == 0) {
         memcpy(fsr_state.bell_mine + 68, &me.sin_port, 2);
+        local_bell_open(me.sin_port);
+    }
     fsr_state.bell_table = calloc((size_t)fsr_state.size, BELL_RECORD);
     if (fsr_state.bell_table == NULL ||
         fsr_mpi.Iallgather(fsr_state.bell_mine, BELL_RECORD, fsr_state.byte, fsr_state.bell_table, BELL_RECORD, fsr_state.byte, fsr_state.comm,
@@ -315,7 +381,7 @@ int fanstore_remote_suspect(int rank) {
 
 /* The bells that rang, in one recvmmsg (a drain loop's last read, the one that finds none, was
  * one more syscall per wake-up); ppoll wakes again at once for any left. */
-static void fsr_take_rings(void) {
+static void fsr_take_rings(int fd) {
     char bufs[16][8];
     struct iovec iov[16];
     struct mmsghdr m[16];
@@ -325,7 +391,7 @@ static void fsr_take_rings(void) {
         m[i].msg_hdr.msg_iov = &iov[i];
         m[i].msg_hdr.msg_iovlen = 1;
     }
-    (void)recvmmsg(fsr_state.bell_fd, m, 16, MSG_DONTWAIT, NULL);
+    (void)recvmmsg(fd, m, 16, MSG_DONTWAIT, NULL);
 }
 
 void *fsr_thread(void *unused) {
@@ -349,6 +415,8 @@ void *fsr_thread(void *unused) {
                     fsr_state.gathered = -1;
                 else if (flag) {
                     fsr_take_bells();
+                    if (fsr_state.peers != NULL)
+                        local_bell_peers();
                     __atomic_store_n(&fsr_state.gathered, 1, __ATOMIC_RELEASE);
                 }
             }
@@ -378,11 +446,14 @@ void *fsr_thread(void *unused) {
              * (deadlines are also enforced by the workers); every wake-up is CPU */
             timeout = fsr_state.inflight ? fsr_idle / 10 : fsr_idle;
         }
-        struct pollfd fds[2] = {{fsr_state.bell_fd, POLLIN, 0}, {fsr_state.wake_fd, POLLIN, 0}};
+        struct pollfd fds[3] = {{fsr_state.bell_fd, POLLIN, 0}, {fsr_state.wake_fd, POLLIN, 0}, {ubell_fd, POLLIN, 0}};
         struct timespec ts = {(time_t)timeout, (long)((timeout - (double)(time_t)timeout) * 1e9)};
-        if (ppoll(fds, 2, &ts, NULL) > 0) {
-            if (fds[0].revents) {
-                fsr_take_rings();
+        if (ppoll(fds, 3, &ts, NULL) > 0) {
+            if (fds[0].revents || fds[2].revents) {
+                if (fds[0].revents)
+                    fsr_take_rings(fsr_state.bell_fd);
+                if (fds[2].revents)
+                    fsr_take_rings(ubell_fd);
                 COUNT(bell_wakes);
                 chase = 1;
                 due = 0;

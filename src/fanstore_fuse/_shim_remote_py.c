@@ -27,11 +27,12 @@
 
 struct finished { /* for remote_take: a Python call's outcome, or a blob for the disk cache */
     struct finished *next;
-    PyObject *token; /* NULL: `raw` is blob `blob`, fetched for a READ in C (malloc'd) */
+    PyObject *token; /* NULL: `raw` is blob `blob`, fetched for a READ in C, inside `mem` */
     uint64_t blob;
     int status;
     char *raw; /* a token's: the verified raw bytes, LEAD bytes into their block, a NUL after */
     size_t n;
+    void *mem; /* a blob for the disk cache: the malloc'd block `raw` lies in */
 };
 static struct finished *finished_list;
 
@@ -49,11 +50,13 @@ static PyTypeObject remote_bytes = {
     .tp_dealloc = remote_bytes_dealloc,
 };
 
-/* A blob a READ in C fetched, for the disk cache: its malloc'd bytes exported as they are
- * (remote_take hands Python a memoryview of it: no copy on the trio thread). */
+/* A blob a READ in C fetched, for the disk cache: its bytes exported where they lie, inside the
+ * malloc'd block `mem` (remote_take hands Python a memoryview of it: no copy on the trio
+ * thread). */
 struct held_raw {
     PyObject_HEAD char *raw;
     Py_ssize_t n;
+    void *mem;
 };
 
 static int held_raw_buffer(PyObject *self, Py_buffer *view, int flags) {
@@ -62,7 +65,7 @@ static int held_raw_buffer(PyObject *self, Py_buffer *view, int flags) {
 }
 
 static void held_raw_dealloc(PyObject *self) {
-    free(((struct held_raw *)self)->raw);
+    free(((struct held_raw *)self)->mem);
     PyObject_Free(self);
 }
 
@@ -77,15 +80,17 @@ static PyTypeObject held_raw = {
     .tp_as_buffer = &held_raw_procs,
 };
 
-/* A memoryview of `raw` (taken over: freed with the view's last reference), or NULL. */
-static PyObject *view_of(char *raw, size_t n) {
+/* A memoryview of `raw`, inside `mem` (taken over: freed with the view's last reference), or
+ * NULL. */
+static PyObject *view_of(char *raw, size_t n, void *mem) {
     struct held_raw *h = PyObject_New(struct held_raw, &held_raw);
     if (h == NULL) {
-        free(raw);
+        free(mem);
         return NULL;
     }
     h->raw = raw;
     h->n = (Py_ssize_t)n;
+    h->mem = mem;
     PyObject *view = PyMemoryView_FromObject((PyObject *)h);
     Py_DECREF(h);
     return view;
@@ -178,13 +183,13 @@ static void py_done(void *ctx, int status, char *raw, size_t n) {
     push_finished(f);
 }
 
-void fsr_offer(uint64_t blob, char *raw, size_t n) {
+void fsr_offer(uint64_t blob, const char *raw, size_t n, void *mem) {
     struct finished *f = malloc(sizeof(*f));
     if (f == NULL) {
-        free(raw); /* not cached: nothing else is lost */
+        free(mem); /* not cached: nothing else is lost */
         return;
     }
-    *f = (struct finished){NULL, NULL, blob, 1, raw, n};
+    *f = (struct finished){NULL, NULL, blob, 1, (char *)raw, n, mem};
     push_finished(f);
 }
 
@@ -254,7 +259,7 @@ PyObject *fanstore_py_remote_take(PyObject *self, PyObject *unused) {
             token = f->token;
             data = f->status == 0 ? lay_out(f->raw, f->n) : Py_NewRef(Py_None);
         } else {
-            data = view_of(f->raw, f->n);
+            data = view_of(f->raw, f->n, f->mem);
             token = PyLong_FromUnsignedLongLong(f->blob);
         }
         PyObject *item = data && out && token ? Py_BuildValue("(NiN)", token, f->status, data) : NULL;

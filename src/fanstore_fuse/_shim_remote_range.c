@@ -131,6 +131,12 @@ int fanstore_remote_fetch_range(int owner, uint64_t blob, uint64_t lo, uint64_t 
 int fanstore_remote_fetch_kept(int owner, uint64_t blob, uint64_t lo, uint64_t hi, double timeout,
                                fanstore_remote_kept kept, void *ctx) {
     struct call proto = {.blob = blob, .owner = owner, .lo = lo, .hi = hi, .kept = kept, .ctx = ctx};
+    if (blob < fanstore_blobs.n && fanstore_blobs.codec[blob] != FANSTORE_CODEC_FRAMED && lo == 0 &&
+        hi == fanstore_blobs.raw[blob]) { /* the whole blob (stored raw: checked in place) */
+        proto.op = FSR_OP_FETCH;
+        proto.hi = fanstore_blobs.stored[blob];
+        return fsr_add_call(&proto, timeout);
+    }
     return frames_call(&proto, timeout);
 }
 
@@ -158,12 +164,6 @@ static void bench_kept(void *ctx, int status, const char *bytes, size_t n, void 
     (void)ctx;
     (void)bytes;
     free(mem);
-    bench_done(status, n);
-}
-
-static void bench_whole(void *ctx, int status, char *raw, size_t n) {
-    (void)ctx;
-    free(raw);
     bench_done(status, n);
 }
 
@@ -195,10 +195,9 @@ PyObject *fanstore_py_remote_bench(PyObject *self, PyObject *args) {
             pthread_cond_wait(&bench.cond, &bench.lock);
         bench.open++;
         pthread_mutex_unlock(&bench.lock);
-        int rc = b[i] >= fanstore_blobs.n ? -EINVAL
-                 : fanstore_blobs.codec[b[i]] == FANSTORE_CODEC_FRAMED
-                     ? fanstore_remote_fetch_kept(o[i], b[i], 0, fanstore_blobs.raw[b[i]], timeout, bench_kept, NULL)
-                     : fanstore_remote_fetch(o[i], b[i], timeout, bench_whole, NULL);
+        int rc = b[i] >= fanstore_blobs.n
+                     ? -EINVAL
+                     : fanstore_remote_fetch_kept(o[i], b[i], 0, fanstore_blobs.raw[b[i]], timeout, bench_kept, NULL);
         if (rc != 0)
             bench_done(rc, 0);
     }

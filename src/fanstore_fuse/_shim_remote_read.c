@@ -183,7 +183,7 @@ static void range_done(void *ctx, int status, const char *bytes, size_t n) {
     fall_back(r, status);
 }
 
-static void read_done(void *ctx, int status, char *raw, size_t n) { /* WHOLE */
+static void read_done(void *ctx, int status, const char *raw, size_t n, void *mem) { /* WHOLE */
     struct rread *r = ctx;
     if (status == 0 && r->hi <= n) {
         reply_buf(r->req, raw + r->lo, r->hi - r->lo);
@@ -191,14 +191,14 @@ static void read_done(void *ctx, int status, char *raw, size_t n) { /* WHOLE */
         ADD(c_read_bytes, r->hi - r->lo);
         if (cache_loc != NULL) {
             COUNT(cache_offers);
-            fsr_offer(r->blob, raw, n);
+            fsr_offer(r->blob, raw, n, mem);
         } else {
-            free(raw);
+            free(mem);
         }
         free(r);
         return;
     }
-    free(raw);
+    free(mem);
     fall_back(r, status);
 }
 
@@ -230,7 +230,7 @@ static void chunk_done(void *ctx, int status, const char *raw, size_t n, void *m
         if (copy != NULL) {
             memcpy(copy, raw, n);
             COUNT(cache_offers);
-            fsr_offer(blob, copy, n);
+            fsr_offer(blob, copy, n, copy);
         }
     }
     while (w != NULL) {
@@ -246,10 +246,6 @@ static void chunk_done(void *ctx, int status, const char *raw, size_t n, void *m
         s->refs--;
         pthread_mutex_unlock(&slot_lock);
     }
-}
-
-static void chunk_whole_done(void *ctx, int status, char *raw, size_t n) { /* not framed */
-    chunk_done(ctx, status, raw, n, raw);
 }
 
 /* Start fetching `blob` into a free slot (or the least used one nobody reads), with `r`
@@ -272,9 +268,7 @@ static int chunk_fetch(uint64_t blob, int owner, struct rread *r) {
     pthread_mutex_unlock(&slot_lock);
     free(old);
     void *ctx = (void *)(uintptr_t)v;
-    if ((fanstore_blobs.codec[blob] == FANSTORE_CODEC_FRAMED
-             ? fanstore_remote_fetch_kept(owner, blob, 0, fanstore_blobs.raw[blob], timeout, chunk_done, ctx)
-             : fanstore_remote_fetch(owner, blob, timeout, chunk_whole_done, ctx)) == 0)
+    if (fanstore_remote_fetch_kept(owner, blob, 0, fanstore_blobs.raw[blob], timeout, chunk_done, ctx) == 0)
         return 0;
     pthread_mutex_lock(&slot_lock); /* nobody else joined: the READ came with the slot */
     struct rread *w = slots[v].waiting;
@@ -361,7 +355,8 @@ static void remote_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, 
             }
         } else if ((p->mode == RANGE
                         ? fanstore_remote_fetch_range(p->owner, p->blob, p->lo, p->hi, timeout, range_done, p)
-                        : fanstore_remote_fetch(p->owner, p->blob, timeout, read_done, p)) == 0) {
+                        : fanstore_remote_fetch_kept(p->owner, p->blob, 0, fanstore_blobs.raw[p->blob], timeout,
+                                                     read_done, p)) == 0) {
             if (fanstore_blobs.raw[p->blob] > WHOLE_MAX) { /* RANGE: where this file's READ ended */
                 pthread_mutex_lock(&slot_lock);
                 seq[ino % SEQ_SLOTS].ino = ino;

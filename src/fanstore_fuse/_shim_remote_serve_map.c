@@ -1,5 +1,6 @@
-/* Whole large blobs sent from a mapping of the local partition, not a pread copy (issue 11,
- * seventh session). The data of a job is immutable, so a reply can be sent from the page
+/* Serving other ranks' requests (fsr_serve: a blob held here read with pread, or sent bare),
+ * and whole large blobs sent from a mapping of the local partition, not a pread copy (issue
+ * 11, seventh session). The data of a job is immutable, so a reply can be sent from the page
  * cache itself: the requester's MPI copies the bytes once (MPICH on shared memory: its
  * process_vm_readv reads the pages where they lie), not twice (pread into a buffer, then that
  * buffer), and the server spends no CPU on them.
@@ -85,6 +86,66 @@ void fsr_maps_drop(void) {
     __atomic_store_n(&nmaps, 0, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&maps_lock);
 }
+
+/* ------------------------------------------------------------------ serving */
+
+char *fsr_error_reply(const struct fsr_header *req, int err, size_t *n) {
+    struct fsr_header *h = malloc(sizeof(*h));
+    if (h != NULL) {
+        *h = *req;
+        h->magic = FSR_MAGIC;
+        h->version = FSR_VERSION;
+        h->err = err;
+        h->lo = h->hi = 0;
+    }
+    *n = sizeof(*h);
+    return (char *)h;
+}
+
+/* The reply to `req`: bytes read (nowait: only from the page cache; NULL and *again set when
+ * the disk must be read), or an error reply. */
+char *fsr_serve(const struct fsr_header *req, int nowait, size_t *n, int *again, int *tag) {
+    *again = 0;
+    *tag = FSR_TAG_REPLY;
+    if (req->magic != FSR_MAGIC || req->version != FSR_VERSION ||
+        (req->op != FSR_OP_FETCH && req->op != FSR_OP_FRAMES)) {
+        COUNT(bad_requests);
+        return fsr_error_reply(req, EPROTO, n);
+    }
+    if (req->op == FSR_OP_FRAMES)
+        return fsr_serve_frames(req, nowait, n, again, tag);
+    uint64_t b = req->blob;
+    if (b >= fanstore_blobs.n || !fanstore_blob_held(b))
+        return fsr_error_reply(req, ENOENT, n);
+    if (req->lo > req->hi || req->hi > fanstore_blobs.stored[b])
+        return fsr_error_reply(req, EINVAL, n);
+    size_t len = (size_t)(req->hi - req->lo);
+    char *bare = len == fanstore_blobs.stored[b] ? fsr_serve_bare(req, len, nowait, n, again, tag) : NULL;
+    if (bare != NULL || *again)
+        return bare;
+    char *buf = malloc(sizeof(struct fsr_header) + len);
+    if (buf == NULL)
+        return fsr_error_reply(req, ENOMEM, n);
+    int rc = fanstore_blob_pread(b, req->lo, len, buf + sizeof(struct fsr_header), nowait);
+    if (rc == FANSTORE_BLOB_AGAIN) {
+        free(buf);
+        *again = 1;
+        return NULL;
+    }
+    if (rc != FANSTORE_BLOB_OK) {
+        free(buf);
+        return fsr_error_reply(req, rc == FANSTORE_BLOB_NOT_HELD ? ENOENT : EIO, n);
+    }
+    struct fsr_header *h = (struct fsr_header *)buf;
+    *h = *req;
+    h->err = 0;
+    *n = sizeof(*h) + len;
+    COUNT(served);
+    ADD(served_bytes, len);
+    return buf;
+}
+
+/* ------------------------------------------------------------------ bare replies */
 
 /* Whether all `len` bytes at `p` are in the page cache. */
 static int resident(const char *p, size_t len) {
