@@ -34,6 +34,7 @@ import torch
 
 from fanstore_fuse import tensorio as tio
 
+from ._cache import drop_caches
 from ._models import gpt_state_dict, nbytes, resnet50_state_dict, small_cnn
 
 
@@ -70,24 +71,6 @@ def _interleaved(fns: dict[str, Callable[[], Any]], runs: int, tag: str = "") ->
             del out
     CPU.update({tag + k: statistics.median(v) for k, v in cs.items()})
     return {k: statistics.median(v) for k, v in ts.items()}
-
-
-def _drop_caches(paths: list[str]) -> str:
-    """Evict paths from the page cache; returns the method used."""
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-        finally:
-            os.close(fd)
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "drop_caches"
-    except OSError:
-        for p in paths:
-            tio.drop_cache(p)
-        return "fadvise"
 
 
 def bench_state_dict(name: str, sd: dict, d: str, runs: int, cold_runs: int) -> dict[str, Any]:
@@ -134,7 +117,7 @@ def bench_state_dict(name: str, sd: dict, d: str, runs: int, cold_runs: int) -> 
     how: list[str] = []
 
     def cold(paths: list[str]) -> Callable[[], None]:
-        return lambda: how.append(_drop_caches(paths))
+        return lambda: how.append(drop_caches(paths))
 
     # cold: explore/commit for the cold key first, then time
     for _ in range(10):

@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
+from bench.tensorio._cache import drop_caches  # noqa: E402
 from bench.tensorio._models import gpt_state_dict, nbytes, resnet50_state_dict  # noqa: E402
 from fanstore_fuse import tensorio as tio  # noqa: E402
 
@@ -60,21 +61,6 @@ def _time(fn: Callable[[], Any], runs: int, before: Callable[[], None] | None = 
         ts.append(time.perf_counter() - t0)
         del out
     return statistics.median(ts)
-
-
-def _drop(path: str) -> str:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-    finally:
-        os.close(fd)
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "drop_caches"
-    except OSError:
-        tio.drop_cache(path)
-        return "fadvise"
 
 
 def h2d_limits(n: int = 1 << 30) -> dict[str, float]:
@@ -123,11 +109,11 @@ def disk_limits(path: str) -> dict[str, float]:
 
     out: dict[str, float] = {}
     try:
-        _drop(path)
+        drop_caches([path])
         out["disk_odirect"] = read_all(os.O_DIRECT)
     except OSError as exc:
         print(f"  (O_DIRECT not possible here: {exc}; disk limit from a cold buffered read)")
-        _drop(path)
+        drop_caches([path])
         out["disk_odirect"] = read_all(0)
     read_all(0)
     out["page_cache"] = read_all(0)
@@ -169,7 +155,7 @@ def bench(name: str, sd: dict, d: str, runs: int, budget: float) -> None:
             continue
         try:
             fn()  # warm-up (also the CUDA context / allocator)
-            before = (lambda p=path: how.add(_drop(p))) if state == "cold" else None
+            before = (lambda p=path: how.add(drop_caches([p]))) if state == "cold" else None
             rows.append((state, label, _time(fn, runs, before)))
         except Exception as exc:  # a tool failing here is a finding, not a crash
             print(f"  {state} {label}: FAILED {exc!r}")
