@@ -155,13 +155,16 @@ def simulate_n(n: int, meta_ph: np.ndarray, data_ph: np.ndarray, vnodes: int, pr
     res["blob_r2_max_mean"], res["blob_r2_min_mean"] = max_over_mean(l2, nodes)
     res["_owners"] = (om, od, nd2[wd])
 
+    def after(members: list[int], slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A ring of `members`: their hash-space shares, the owners of the metadata and blob keys."""
+        ring = _ring.Ring(members, vnodes=vnodes, probes=probes)
+        p, o = ring_arrays(ring)
+        return node_shares(p, o, probes, slots), o[winners(p, meta_ph)], o[winners(p, data_ph)]
+
     # leave: the most loaded node (by hash-space share) goes
     gone = int(np.argmax(sh))
-    left = _ring.Ring([x for x in nodes if x != gone], vnodes=vnodes, probes=probes)
-    lpts, lown = ring_arrays(left)
-    lsh = node_shares(lpts, lown, probes, n)
     rest = [x for x in nodes if x != gone]
-    om2, od2 = lown[winners(lpts, meta_ph)], lown[winners(lpts, data_ph)]
+    lsh, om2, od2 = after(rest, n)
     moved_m, moved_d = om != om2, od != od2
     res["leave"] = {
         "node": gone,
@@ -173,10 +176,7 @@ def simulate_n(n: int, meta_ph: np.ndarray, data_ph: np.ndarray, vnodes: int, pr
         "share_max_mean_after": max_over_mean(lsh, rest)[0],
     }
     # join: node n arrives
-    joined = _ring.Ring(range(n + 1), vnodes=vnodes, probes=probes)
-    jpts, jown = ring_arrays(joined)
-    jsh = node_shares(jpts, jown, probes, n + 1)
-    om3, od3 = jown[winners(jpts, meta_ph)], jown[winners(jpts, data_ph)]
+    jsh, om3, od3 = after(list(range(n + 1)), n + 1)
     moved_m, moved_d = om != om3, od != od3
     res["join"] = {
         "node": n,

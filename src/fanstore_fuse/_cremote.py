@@ -237,9 +237,9 @@ class CRemoteSource:
         self.stored = inner.store.m.blobs["stored"]
         self.remote: CRemote | None = None
         # per blob, 0: not asked yet, 1: held here, 2 + r: fetched from rank r (the ring is
-        # asked twice per blob once, ~16 us, not on every fetch); 2 bytes per blob, untouched
-        # pages cost nothing
-        self._ask = untouched_zeros(len(self.stored), np.uint16)
+        # asked twice per blob once, ~16 us, not on every fetch); 4 bytes per blob (any rank
+        # count), untouched pages cost nothing
+        self._ask = untouched_zeros(len(self.stored), np.uint32)
 
     def holds(self, blob: int) -> bool:
         return self.inner.holds(blob)
