@@ -53,6 +53,15 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / TICK
 
 
+def disk_read_bytes(pid: int) -> int:
+    """Bytes this process caused to be read from the disk (`read_bytes` of /proc/PID/io)."""
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            return next(int(v) for k, v in (ln.split(":") for ln in f) if k == "read_bytes")
+    except (OSError, StopIteration):
+        return 0
+
+
 def make_tree(src: Path, n: int, seed: int = 11) -> list[str]:
     """n incompressible files of 90-130 KB in 20 directories (reused when complete)."""
     rels = [f"d{i % 20:02d}/f{i:05d}.jpg" for i in range(n)]
@@ -171,11 +180,15 @@ def measure_fan(fan: Fan, root: str, rels: list[str], cold: bool) -> dict:
     pids = fan.pids()
     daemons = daemon_pids(fan.marker)
     before = {p: cpu_seconds([p]) for p in pids}
+    disk = {p: disk_read_bytes(p) for p in daemons}
     times = read_files(root, rels)
     used = {p: cpu_seconds([p]) - c for p, c in before.items()}
     res = summary(times, sum(used.values()))
     # per daemon (in rank order) and the rest (mpiexec, hydra proxy)
     res["cpu_us_per_file_by_daemon"] = [used[p] / len(rels) * 1e6 for p in daemons if p in used]
+    # whether a cold pass was cold: the disk bytes each daemon read, per file
+    res["disk_bytes_per_file_by_daemon"] = [round((disk_read_bytes(p) - b) / len(rels))
+                                            for p, b in disk.items()]
     res["cpu_us_per_file_other"] = sum(v for p, v in used.items() if p not in daemons) / len(rels) * 1e6
     return res
 
@@ -223,27 +236,31 @@ def run_remote(work: Path, dest: Path, rels: list[str], envs: list[dict], rounds
                profile: bool = False) -> list[dict]:
     """Remote-only reads through rank 0 of 2, one mount per daemon environment, all mounted at
     once and read in interleaved cold passes (a 1 MiB blob cache: every pass fetches again);
-    the pass with the median CPU per file of each."""
+    the pass with the median CPU per file of each. First in the result, the anchor measured the
+    same way in the same rounds: the same files read cold through a 1-rank mount (all local),
+    so that the remote/local ratio compares passes that the machine's drift touched alike."""
     # the disk cache of remote blobs off: every pass must fetch remotely (bench.epoch2 has it on)
-    fans = [Fan(work, dest, f"r2e{i}", 2, ["--read-only"],
-                {"FANSTORE_CACHE_BYTES": "1048576", "FANSTORE_CACHE_SIZE": "0", **env})
-            for i, env in enumerate(envs)]
+    base = {"FANSTORE_CACHE_BYTES": "1048576", "FANSTORE_CACHE_SIZE": "0"}
+    fans = [Fan(work, dest, "l1i", 1, ["--read-only"], base)]
+    fans += [Fan(work, dest, f"r2e{i}", 2, ["--read-only"], {**base, **env})
+             for i, env in enumerate(envs)]
     try:
         runs: list[list[dict]] = [[] for _ in fans]
         for _ in range(rounds):
             for fan, r in zip(fans, runs, strict=True):
                 r.append(measure_fan(fan, fan.mps[0], rels, cold=True))
         out = []
-        for fan, env, r in zip(fans, envs, runs, strict=True):
+        for fan, env, r in zip(fans, [{}, *envs], runs, strict=True):
             res = sorted(r, key=lambda d: d["cpu_us_per_file"])[len(r) // 2]
             res.update(command=fan.command, env=env,
-                       cpu_us_per_file_runs=[round(d["cpu_us_per_file"]) for d in r])
+                       cpu_us_per_file_runs=[round(d["cpu_us_per_file"]) for d in r],
+                       disk_bytes_per_file_runs=[d["disk_bytes_per_file_by_daemon"] for d in r])
             out.append(res)
         if profile:  # an extra pass (sampling costs CPU): its figures are not reported
             drop_caches()
-            with Profiler(daemon_pids(fans[0].marker), work / "profile-r2") as prof:
-                read_files(fans[0].mps[0], rels)
-            out[0]["profile"] = {str(p): summarize([f]) for p, f in
+            with Profiler(daemon_pids(fans[1].marker), work / "profile-r2") as prof:
+                read_files(fans[1].mps[0], rels)
+            out[1]["profile"] = {str(p): summarize([f]) for p, f in
                                  zip(prof.pids, prof.files, strict=False)} or prof.error
         return out
     finally:
@@ -254,7 +271,7 @@ def run_remote(work: Path, dest: Path, rels: list[str], envs: list[dict], rounds
 def project(res: dict) -> dict:
     """Scale model rows with the measured CPU per file (one daemon core per node)."""
     costs = dict(_projection.DEFAULT_COSTS)
-    local, remote = res["local_cold"], res["remote_cold"]
+    local, remote = res.get("local_cold_same") or res["local_cold"], res["remote_cold"]
     costs["local_files_s"] = 1e6 / local["cpu_us_per_file"]
     # every node serves as many remote reads as it makes: client + server CPU per remote file
     costs["remote_files_s"] = 1e6 / remote["cpu_us_per_file"]
@@ -317,8 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         remote = remote_to_rank0(dest, rels)
         log(f"{len(remote)} of {len(rels)} files are held by rank 1 only")
         envs = [{}] + [dict(kv.split("=", 1) for kv in ab.split(",")) for ab in args.ab]
-        res["remote_cold"], *res["remote_ab"] = run_remote(work, dest, remote, envs, args.rounds,
-                                                           args.profile)
+        res["local_cold_same"], res["remote_cold"], *res["remote_ab"] = run_remote(
+            work, dest, remote, envs, args.rounds, args.profile)
         log(f"2 ranks, remote only: {res['remote_cold']}")
         if not args.no_large:
             res["large"] = _large.run_large(work, src.parent, args.rounds)
@@ -341,6 +358,7 @@ def print_table(res: dict) -> None:
     print(f"  {'':38} {'files/s':>9} {'p50 us':>8} {'p99 us':>8} {'CPU us/file':>12}")
     rows = [("1 rank --read-only, cold (local)", res.get("local_cold")),
             ("1 rank writable (default), cold", res.get("writable_cold")),
+            ("1 rank, the remote set, cold (interleaved)", res.get("local_cold_same")),
             ("2 ranks, remote files only, cold", res.get("remote_cold"))]
     rows += [(f"  same with {' '.join(f'{k}={v}' for k, v in r['env'].items())}", r)
              for r in res.get("remote_ab", [])]
@@ -359,10 +377,21 @@ def print_table(res: dict) -> None:
         by = ", ".join(f"rank {i} {v:,.0f}" for i, v in enumerate(rc["cpu_us_per_file_by_daemon"]))
         print(f"  remote CPU us/file by daemon: {by}; mpiexec+proxy {rc['cpu_us_per_file_other']:,.0f}")
         for r in [rc, *res.get("remote_ab", [])]:
-            print(f"  remote CPU us/file per pass {r['env'] or 'default'}: {r['cpu_us_per_file_runs']}")
+            print(f"  remote CPU us/file per pass {r['env'] or 'default'}: {r['cpu_us_per_file_runs']}; "
+                  f"disk bytes/file read by rank 0, 1: {r['disk_bytes_per_file_runs']}")
+    if lc:
+        print(f"  local disk bytes/file read by the daemon: {lc['disk_bytes_per_file_by_daemon']}")
+    ls = res.get("local_cold_same")
+    if ls and rc:
+        print(f"  local CPU us/file per pass (the remote set, interleaved with the remote passes): "
+              f"{ls['cpu_us_per_file_runs']}")
+        print(f"  remote/local, the same files in the same rounds (medians): CPU "
+              f"{rc['cpu_us_per_file'] / ls['cpu_us_per_file']:.2f}x (bar <= 1.5x), "
+              f"p50 {rc['p50_us'] / ls['p50_us']:.2f}x (bar <= 2x)")
     if lc and rc:
-        print(f"  remote/local: CPU {rc['cpu_us_per_file'] / lc['cpu_us_per_file']:.2f}x "
-              f"(bar <= 1.5x), p50 {rc['p50_us'] / lc['p50_us']:.2f}x (bar <= 2x)")
+        print(f"  remote/local against the single all-files local pass above: CPU "
+              f"{rc['cpu_us_per_file'] / lc['cpu_us_per_file']:.2f}x, "
+              f"p50 {rc['p50_us'] / lc['p50_us']:.2f}x")
     if res.get("large"):
         from ._large import print_large
 

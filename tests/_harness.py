@@ -460,3 +460,20 @@ def build_tree(root: Path, seed: int = 1, chunk: int = 1 << 20) -> Path:
         os.utime(p, ns=(t + i * 1_000_003, t + i * 1_000_003), follow_symlinks=False)
     os.utime(rb, ns=(t - 7, t - 7))
     return root
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str = "2m") -> Iterator[Path]:
+    """A tmpfs of `size` mounted at `path` (created), unmounted lazily afterwards: a small disk
+    to fill. Skips where a tmpfs cannot be mounted (not root, no `mount`)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)

@@ -151,3 +151,16 @@ def replies(monkeypatch):
 
     monkeypatch.setattr(pyfuse3, "readdir_reply", reply)
     return sent, limit
+
+
+@pytest.fixture
+def tensorio_isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """tensorio tests (pytestmark usefixtures): no selector dictionary on disk, no tool forced by
+    the environment, a fresh default selector before and after (torch imported only here)."""
+    from fanstore_fuse import tensorio as tio
+
+    monkeypatch.setenv(tio.ENV_DB, "off")
+    monkeypatch.delenv(tio.ENV_TOOL, raising=False)
+    tio.set_default_selector(None)
+    yield
+    tio.set_default_selector(None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import mmap
 import os
 import random
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from _harness import mounted, prep_cli, status_ranks
+from _pagecache import page_cache_drops
 
 from fanstore_fuse import _fastclose, _fastread
 from fanstore_fuse._blobcodec import RAW_FRAME_SIZE
@@ -189,7 +191,9 @@ def test_a_corrupt_frame_is_never_kept_nor_returned(dataset, tmp_path: Path):
 
 
 def _shim_counts(mt) -> dict[str, int]:
-    (r,) = status_ranks(mt.status())
+    """The C shim's counters: the root's status xattr, what `status --json` prints (read here,
+    not by a CLI process: milliseconds, even right after the page cache was dropped)."""
+    (r,) = status_ranks(json.loads(os.getxattr(mt.path, "user.fanstore.status")))
     return r["fuse_shim"]
 
 
@@ -206,19 +210,31 @@ def _odirect(path: Path, ranges: list[tuple[int, int]]) -> list[bytes]:
 def _pushed_then_read_without_a_read(mt, fd: int, data: bytes, start: int, size: int) -> None:
     """A 4 KiB read (fd: buffered, POSIX_FADV_RANDOM) inside [start, start + size), a frame or
     sub-block never read before, makes the daemon push all of it into the page cache: every
-    4 KiB of it then reads right without a READ reaching the daemon."""
-    pushed = _shim_counts(mt)["c_frame_pushes"]
-    off = start + 8192
-    assert os.pread(fd, 4096, off) == data[off:off + 4096]
-    deadline = time.monotonic() + 10
-    while _shim_counts(mt)["c_frame_pushes"] <= pushed and time.monotonic() < deadline:
-        time.sleep(0.05)
-    before = _shim_counts(mt)
-    assert before["c_frame_pushes"] == pushed + 1, before
-    for o in range(start, start + size, 4096):
-        assert os.pread(fd, 4096, o) == data[o:o + 4096], o
-    after = _shim_counts(mt)
-    assert after["c_reads"] == before["c_reads"], (before, after)
+    4 KiB of it then reads right without a READ reaching the daemon.
+
+    Another process's `echo 3 > /proc/sys/vm/drop_caches` (benches on this shared machine) can
+    evict the pushed pages before they are read; those reads then reach the daemon. Only when
+    /proc/vmstat counted such a drop during the attempt is it repeated, on the next frame (never
+    read either), 5 attempts at most; an attempt without a drop must read no byte through the
+    daemon, as must the first one when nobody drops the page cache."""
+    for attempt in range(5):
+        drops = page_cache_drops()
+        lo = start + attempt * size
+        pushed = _shim_counts(mt)["c_frame_pushes"]
+        off = lo + 8192
+        assert os.pread(fd, 4096, off) == data[off:off + 4096]
+        deadline = time.monotonic() + 10
+        while _shim_counts(mt)["c_frame_pushes"] <= pushed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        before = _shim_counts(mt)
+        assert before["c_frame_pushes"] == pushed + 1, before
+        for o in range(lo, lo + size, 4096):
+            assert os.pread(fd, 4096, o) == data[o:o + 4096], o
+        after = _shim_counts(mt)
+        if after["c_reads"] == before["c_reads"]:
+            return
+        assert page_cache_drops() != drops, (before, after)  # evicted without a drop: a failure
+    raise AssertionError("another process dropped the page cache during each of 5 attempts")
 
 
 @pytest.mark.mount
@@ -265,6 +281,7 @@ def test_mounted_buffered_read_pushes_a_raw_sub_block(tmp_path: Path, state_dir:
     data = random.Random(5).randbytes(2 * MiB + 100)  # incompressible: raw sub-blocks
     (src / "r.bin").write_bytes(data)
     dest = prep_cli(src, tmp_path / "dest", "-p", "1", "--chunk-mib", "1", "--codec", "none")
+    drops = page_cache_drops()
     with mounted(dest, tmp_path / "mnt", state_dir) as mt:
         fd = os.open(mt.path / "r.bin", os.O_RDONLY)
         try:
@@ -275,8 +292,10 @@ def test_mounted_buffered_read_pushes_a_raw_sub_block(tmp_path: Path, state_dir:
         sub = 9 * RAW_FRAME_SIZE  # O_DIRECT: bytes right, nothing pushed, the sub-block kept
         assert _odirect(mt.path / "r.bin", [(sub + 4096, 4096)]) == [data[sub + 4096:sub + 8192]]
         c = _shim_counts(mt)
-    # the pushed sub-block is forgotten in C (the page cache has it), the O_DIRECT one kept
-    assert c["c_frame_pushes"] == 1 and c["c_frame_entries"] == 1, c
+    # the pushed sub-block is forgotten in C (the page cache has it), the O_DIRECT one kept;
+    # pushed once, unless another process dropped the page cache (a read then pushes again)
+    assert c["c_frame_entries"] == 1, c
+    assert c["c_frame_pushes"] == 1 or page_cache_drops() != drops, (c, drops)
     assert c["c_read_fallbacks"] == 0, c
 
 

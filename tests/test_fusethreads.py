@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from _harness import mounted, prep_cli, status_ranks
+from _pagecache import drop_page_cache
 
 pytestmark = [pytest.mark.mount]
 
@@ -179,3 +180,45 @@ def test_threads_off_keeps_pyfuse3s_loop(tmp_path, state_dir):
         c = _shim(m)
         assert c["c_fuse_threads"] == 0 and c["c_thread_answered"] == 0, c
         assert c["c_opens"] >= 2 * 2 * len(files) and c["c_lingered"] > 0, c
+
+
+@pytest.mark.timeout(180)
+def test_concurrent_cold_reads_go_to_the_read_threads(tmp_path, state_dir):
+    """16 readers' O_DIRECT 4 KiB reads of a file whose pages are out of the page cache: the
+    one FUSE thread must not read them all itself, one disk read at a time, while the others'
+    READs wait in /dev/fuse (it polls the descriptor: `fanstore_threads_dev_waiting`); some are
+    handed to the READ threads, whose disk reads overlap. Every byte compared."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = random.Random(4).randbytes(24 << 20)
+    (src / "big.bin").write_bytes(data)
+    dest = prep_cli(src, tmp_path / "dest")
+    with mounted(dest, tmp_path / "mnt", state_dir, local=tmp_path / "local") as m:
+        drop_page_cache(list((tmp_path / "local").rglob("*.fsp")))  # the staged copy
+        before = _shim(m)
+        errors: list[str] = []
+
+        def run(k: int) -> None:
+            rng = random.Random(k)
+            fd = os.open(m.path / "big.bin", os.O_RDONLY | os.O_DIRECT)
+            try:
+                for _ in range(150):
+                    off = rng.randrange(len(data) >> 12) << 12
+                    if os.pread(fd, 4096, off) != data[off:off + 4096]:
+                        errors.append(f"reader {k}: bytes at {off} differ")
+            except OSError as e:
+                errors.append(f"reader {k}: {e!r}")
+            finally:
+                os.close(fd)
+
+        readers = [threading.Thread(target=run, args=(k,)) for k in range(16)]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join(120)
+        assert not any(t.is_alive() for t in readers) and errors == []
+        after = _shim(m)
+        reads = after["c_reads"] - before["c_reads"]
+        inline = after["c_read_inline"] - before["c_read_inline"]
+        assert reads == 16 * 150, (before, after)
+        assert inline < reads, (before, after)  # some went to the READ threads

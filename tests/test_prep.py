@@ -9,19 +9,23 @@ import stat
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from _harness import build_tree
 
 from fanstore_fuse import FanstoreError, Namespace, PrepOptions, prep, read_manifest, verify
 from fanstore_fuse._blobstore import BlobStore
 from fanstore_fuse._format import (
+    ALIGN_MIN,
     CODEC_RAW,
     CODEC_ZSTD,
+    DATA_ALIGN,
     KIND_DIR,
     KIND_FILE,
     KIND_LINK,
     MANIFEST_NAME,
     PARTITION_DATA_START,
+    data_lead,
 )
 
 K64 = 64 * 1024
@@ -207,8 +211,58 @@ def test_partitions_balance(tmp_path: Path):
     for k in range(64):
         (src / f"f{k:03d}").write_bytes(os.urandom(10_000))
     res = prep(src, tmp_path / "dest", PrepOptions(partitions=4, codec="none"))
-    sizes = [p.size - PARTITION_DATA_START for p in res.manifest.partitions]
-    assert sizes == [160_000] * 4
+    m = res.manifest
+    stored = [sum(int(m.blobs["stored"][j]) for j in range(m.n_blobs) if m.blobs["part"][j] == p)
+              for p in range(4)]
+    assert stored == [160_000] * 4
+    # each partition: its blobs, each with its data on a 64-byte boundary (< 64 bytes of padding)
+    sizes = [p.size - PARTITION_DATA_START for p in m.partitions]
+    assert all(160_000 <= s < 160_000 + 16 * DATA_ALIGN for s in sizes)
+    assert all(int(o) % DATA_ALIGN == 0 for o in m.blobs["offset"])
+
+
+def test_blob_data_starts_on_64_byte_boundaries(tmp_path: Path):
+    """Blobs of ALIGN_MIN stored bytes or more have their first raw data byte (after a raw-framed
+    blob's frame table) on a DATA_ALIGN boundary; smaller ones are packed; every byte reads back,
+    and a rank's dense copy keeps each offset modulo DATA_ALIGN."""
+    from fanstore_fuse._stage import plan_dense, stage_in
+
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(5)
+    want = {}
+    for k in range(40):
+        size = [37, 1000, 5_001, 70_003, 1 << 20][k % 5] + k
+        data = rng.bytes(size) if k % 2 else bytes(size // 7) * 7 + rng.bytes(size % 7)
+        want[f"f{k:02d}"] = data
+        (src / f"f{k:02d}").write_bytes(data)
+    dest = tmp_path / "dest"
+    m = prep(src, dest, PrepOptions(partitions=3, chunk_size=512 << 10)).manifest
+    b = m.blobs
+    big = [j for j in range(m.n_blobs) if b["stored"][j] >= ALIGN_MIN]
+    leads = {data_lead(int(b["codec"][j]), int(b["stored"][j]), int(b["raw"][j])) for j in big}
+    assert len(big) >= 12 and max(leads) > 0  # raw-framed blobs among them
+    for j in big:
+        lead = data_lead(int(b["codec"][j]), int(b["stored"][j]), int(b["raw"][j]))
+        assert (int(b["offset"][j]) + lead) % DATA_ALIGN == 0
+    for name, data in want.items():
+        assert _read(dest, name.encode()) == data
+    held = np.arange(1, m.n_blobs, 2)  # every other blob: gaps between a rank's blobs
+    shares, dense = plan_dense(m, held)
+    for j, local in zip(dense.ids, dense.offs):
+        if b["stored"][j] >= ALIGN_MIN:
+            assert local % DATA_ALIGN == int(b["offset"][j]) % DATA_ALIGN
+    for p, r in shares.items():  # the ranges' padding never exceeds DATA_ALIGN - 1 a blob
+        mine = [int(b["stored"][j]) for j in held if b["part"][j] == p]
+        assert sum(mine) <= int(r[:, 1].sum()) < sum(mine) + DATA_ALIGN * len(mine)
+    stage_in(str(dest), str(tmp_path / "local"), m, shares)
+    store = BlobStore(m, str(tmp_path / "local"), dense)
+    full = BlobStore(m, str(dest))
+    try:
+        assert all(store.raw(int(j)) == full.raw(int(j)) for j in held)
+    finally:
+        store.close()
+        full.close()
 
 
 @pytest.mark.timeout(120)

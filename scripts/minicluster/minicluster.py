@@ -8,6 +8,7 @@ process table: a prolog's `pkill` cannot reach another node).
     minicluster.py run    --dir DIR K -- CMD...      (run CMD on node K, inside its namespaces)
     minicluster.py submit --dir DIR SCRIPT [--timeout S] [-- SBATCH-ARGS...]
     minicluster.py stop   --dir DIR [--purge]
+    minicluster.py sweep  [--dir /var/tmp]       (stop and purge DIR/slurm-mc-* whose owner died)
 
 DIR must not be under /tmp (every node's /tmp is its own). Clients need `SLURM_CONF=DIR/etc/
 slurm.conf` (printed by `start`); jobs between nodes should use `UCX_TLS=tcp,self` (see
@@ -30,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import owner  # noqa: E402
 from slurmconf import ConfSpec, node_names, pick_ports, render  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -106,13 +108,19 @@ class Cluster:
         return self
 
     def _save(self) -> None:
-        self._state_file().write_text(json.dumps(
-            {"nodes": self.nodes, "pids": self.pids, "info": self.info}, indent=1))
+        """Atomically: the watchdog and `sweep` read it while `start` adds pids."""
+        tmp = self._state_file().with_suffix(".tmp")
+        tmp.write_text(json.dumps({"nodes": self.nodes, "pids": self.pids, "info": self.info},
+                                  indent=1))
+        os.replace(tmp, self._state_file())
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self, prolog: str | None = None, epilog: str | None = None,
               mpi_default: str = "none", prolog_flags: str = "Alloc",
-              timeout: float = 60.0) -> Cluster:
+              timeout: float = 60.0, owner_pid: int | None = None, watch: bool = False) -> Cluster:
+        """With `owner_pid`, the cluster belongs to that process: `sweep` stops it once the
+        owner has died, and with `watch` a watchdog (`watch`, its own session) does so within
+        a second: a SIGKILLed test run leaves no cluster behind."""
         if str(self.root).startswith("/tmp/") or str(self.root) == "/tmp":
             raise ClusterError(f"{self.root} is under /tmp, which every node replaces with its own")
         if os.geteuid() != 0:
@@ -132,8 +140,12 @@ class Cluster:
                         prolog_flags)
         self.conf.write_text(render(spec))
         self.info = {"ctld_port": ports[0], "node_ports": ports[1:], "prolog": prolog,
-                     "epilog": epilog, "mpi_default": mpi_default, "prolog_flags": prolog_flags}
+                     "epilog": epilog, "mpi_default": mpi_default, "prolog_flags": prolog_flags,
+                     "owner": owner.record(owner_pid) if owner_pid else None}
         self._save()
+        if owner_pid and watch:
+            self._spawn("watch", [sys.executable, str(HERE / "minicluster.py"), "watch",
+                                  "--dir", str(self.root)])
         try:
             self._start_munged()
             self._start_ctld(timeout)
@@ -209,6 +221,8 @@ class Cluster:
         # Only pids that still run what we started (a stale cluster.json must not make us kill
         # whatever reused a pid).
         ours = {n: p for n, p in self.pids.items() if _runs(p, _EXPECT[n.split("-")[0]])}
+        if ours.get("watch", os.getpid()) != os.getpid():  # not when the watchdog stops it
+            _terminate([ours["watch"]], 10.0)
         spaces = {_mnt_ns(p) for n, p in ours.items() if n.startswith("node-")} - {None}
         inside = _pids_in(spaces)
         _terminate(sorted(inside), 10.0)
@@ -216,7 +230,8 @@ class Cluster:
         for name in ("slurmctld", "munged"):
             if name in ours:
                 _terminate([ours[name]], 10.0)
-        left = [f"{pid}" for pid in (_pids_in(spaces) | set(ours.values())) if _alive(pid)]
+        left = [f"{pid}" for pid in (_pids_in(spaces) | set(ours.values())) - {os.getpid()}
+                if _alive(pid)]
         for sub in ("ctld", "nodes", "munge", "etc", "cluster.json"):
             p = self.root / sub
             if p.is_dir():
@@ -227,6 +242,20 @@ class Cluster:
             shutil.rmtree(self.root, ignore_errors=True)
         self.pids = {}
         return left
+
+    def watch(self, period: float = 1.0) -> None:
+        """Until the cluster is stopped: stop and purge it as soon as its owner has died."""
+        while True:
+            try:
+                self.load()
+            except FileNotFoundError:
+                return  # stopped
+            except (OSError, ValueError):
+                pass
+            if owner.gone(self.info.get("owner")):
+                self.stop(purge=True)
+                return
+            time.sleep(period)
 
     # -- looking into nodes -----------------------------------------------------------------
     def node_pid(self, k: int) -> int:
@@ -317,7 +346,24 @@ class Cluster:
         return "\n".join([*lines, r.stdout.strip() or r.stderr.strip()])
 
 
-_EXPECT = {"node": "nodeinit.py", "unshare": "unshare", "slurmctld": "slurmctld", "munged": "munged"}
+_EXPECT = {"node": "nodeinit.py", "unshare": "unshare", "slurmctld": "slurmctld", "munged": "munged",
+           "watch": "minicluster.py"}
+
+
+def sweep(parent: str | os.PathLike[str] = "/var/tmp") -> list[Path]:
+    """Stop and purge every PARENT/slurm-mc-* cluster whose recorded owner has died (by the
+    pids its DIR recorded, as `stop`); clusters without an owner are left alone. Returns them."""
+    swept = []
+    for d in sorted(Path(parent).glob("slurm-mc-*")):
+        c = Cluster(d)
+        try:
+            c.load()
+        except (OSError, ValueError, KeyError):
+            continue  # being created, or stopped meanwhile
+        if owner.gone(c.info.get("owner")):
+            c.stop(purge=True)
+            swept.append(d)
+    return swept
 
 
 def _runs(pid: int, needle: str) -> bool:
@@ -382,8 +428,8 @@ def _terminate(pids: list[int], grace: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("action", choices=["start", "stop", "status", "run", "submit"])
-    ap.add_argument("--dir", default="/var/tmp/fanstore-minicluster")
+    ap.add_argument("action", choices=["start", "stop", "status", "run", "submit", "sweep", "watch"])
+    ap.add_argument("--dir", help="the cluster's directory (sweep: the one above, /var/tmp)")
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--prolog")
     ap.add_argument("--epilog")
@@ -398,7 +444,11 @@ def main(argv: list[str] | None = None) -> int:
         argv, extra = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     a = ap.parse_intermixed_args(argv)
     a.rest += extra
-    c = Cluster(a.dir, a.nodes)
+    if a.action == "sweep":
+        for d in sweep(a.dir or "/var/tmp"):
+            print(f"stopped and removed {d}: its owner had died")
+        return 0
+    c = Cluster(a.dir or "/var/tmp/fanstore-minicluster", a.nodes)
     try:
         if a.action == "start":
             if missing_tools():
@@ -408,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"export SLURM_CONF={c.conf} "
                   f"{' '.join(f'{k}={v}' for k, v in JOB_ENV.items())}\n"
                   f"shared directory (same path on every node): {c.shared}")
+            return 0
+        if a.action == "watch":
+            c.watch()
             return 0
         c.load()
         if a.action == "stop":

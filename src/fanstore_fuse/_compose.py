@@ -178,6 +178,8 @@ def compose(
     if placement.nranks > 1:
         meta = cluster_meta = ClusterMetadata(rank, ns, placement, transport, stats, peer_timeout)
     node = Node(ns, source, stats, settings.cache_bytes, settings.readahead_chunks, meta=meta)
+    if remote is not None:  # READs in C read ahead what they will answer
+        node.ahead_in_c = remote.ahead_in_c
     board = StatusBoard(rank, placement.nranks, node, transport, writes, held or {}, disk_cache)
     serve_handlers(table, rank, node, placement, store, board.local, settings.thread_threshold)
     shared = None

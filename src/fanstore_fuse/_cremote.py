@@ -165,6 +165,17 @@ class CRemote:
                 if call.task is not None:
                     reschedule(call.task, Value(data if data is not None else status))
 
+    async def from_chunks(self, blob: int) -> bytes | None:
+        """A copy of `blob` from the chunk cache of READs in C when a slot holds it, or once the
+        slot fetching it has it (else None: the caller fetches it)."""
+        got = self.shim.remote_chunk(blob)
+        wait, deadline = 0.0005, trio.current_time() + self.timeout
+        while got is True and trio.current_time() < deadline:  # a short wait: it is on its way
+            await trio.sleep(wait)
+            wait = min(2 * wait, 0.01)
+            got = self.shim.remote_chunk(blob)
+        return got if isinstance(got, bytes) else None
+
     async def fetch(self, owner: int, blob: int) -> bytes | int:
         """The verified raw bytes of `blob` from rank `owner` (a `bytes` laid where the reply
         was received, `_shim_remote_py.c`), or a negative errno."""
@@ -244,6 +255,16 @@ class CRemoteSource:
     def holds(self, blob: int) -> bool:
         return self.inner.holds(blob)
 
+    def ahead_in_c(self, blob: int) -> bool:
+        """Whether READs in C fetch `blob` ahead into their chunk cache (then `Node.read`'s
+        read-ahead leaves it: one fetch per chunk, not one for C and one for Python)."""
+        remote = self.remote
+        if remote is None or self._owner(blob) < 0 or not remote.shim.remote_ahead(blob):
+            return False
+        extra = self.stats.extra
+        extra["ahead_in_c"] = extra.get("ahead_in_c", 0) + 1
+        return True
+
     def _owner(self, blob: int) -> int:
         """The rank to ask for `blob` through C, or -1 when this rank holds it."""
         ask = int(self._ask[blob])
@@ -263,6 +284,11 @@ class CRemoteSource:
             return await self.inner.fetch(blob)
         if not self.inner.peers.order([owner], skip_suspects=True):  # it timed out recently
             return await self.inner.fetch(blob)
+        kept = await remote.from_chunks(blob)
+        if kept is not None:  # READs in C fetched it: a copy, not a second fetch
+            extra = self.stats.extra
+            extra["c_chunk_copies"] = extra.get("c_chunk_copies", 0) + 1
+            return kept
         got = await remote.fetch(owner, blob)
         if isinstance(got, bytes):
             self.stats.remote_reads += 1

@@ -129,13 +129,17 @@ FRAME_COUNTS = ("c_frame_hits", "c_frame_misses", "c_frame_evictions", "c_frame_
                 "c_frame_entries", "c_frame_budget", "c_frame_pushes", "c_frame_push_bytes",
                 "c_frame_push_fails", "c_frame_push_drops")
 
+STREAM_COUNTS = ("stream_runs", "stream_refused", "stream_windows", "stream_bytes", "stream_ns")
+
 
 def counts() -> dict[str, int]:
     """READs the shim answered: `c_reads`, `c_read_bytes`, `c_read_inline` (from the page cache
     on the FUSE thread), `c_read_fallbacks` (handed to Python after an error in C); the frame
     cache's `c_frame_*` (hits, misses: lookups of part of a zstd frame; evictions; bytes and
     entries kept; budget; frames pushed to the page cache, their bytes, pushes the kernel
-    refused, pushes dropped with the queue full)."""
+    refused, pushes dropped with the queue full); the streaming of local copies into the page
+    cache (_shim_stream.c): `stream_runs`, `stream_refused` (too large for MemAvailable),
+    `stream_windows` and `stream_bytes` read in, `stream_ns` spent streaming."""
     shim = _fastclose._shim
     if shim is None or not hasattr(shim, "read_counts"):
         return {}
@@ -144,4 +148,6 @@ def counts() -> dict[str, int]:
            "c_read_fallbacks": int(fallbacks)}
     if hasattr(shim, "frame_counts"):
         out.update(zip(FRAME_COUNTS, map(int, shim.frame_counts())))
+    if hasattr(shim, "stream_counts"):
+        out.update(zip(STREAM_COUNTS, map(int, shim.stream_counts())))
     return out

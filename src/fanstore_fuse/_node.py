@@ -294,6 +294,9 @@ class Node:
         self.cache = BlobCache(source.fetch, self.stats, cache_bytes)  # type: ignore[arg-type]
         self.chunk = int(ns.m.options.get("chunk_size", 4 << 20))
         self.readahead = readahead
+        # a blob READs in C fetch ahead themselves (`CRemoteSource.ahead_in_c`): not read
+        # ahead here too
+        self.ahead_in_c: Callable[[int], bool] | None = None
         self._nursery: trio.Nursery | None = None
         # Partial reads of framed blobs held on this node (see _frameread.py); a cluster
         # source lends its local source and says which blobs this rank holds.
@@ -371,9 +374,11 @@ class Node:
         # the reader's own chunk (none when a chunk alone exceeds the cache)
         ahead = min(self.readahead, self.cache.limit // chunk - 1)
         if self._nursery is not None and ahead > 0 and rec.count > 1:
-            for k in range(k1 + 1, min(rec.count, k1 + 1 + ahead)):
-                if not self.cache.peek(first + k) and not (frames and frames.usable(first + k)):
-                    self._nursery.start_soon(self._prefetch, first + k)
+            in_c = self.ahead_in_c
+            for b in range(first + k1 + 1, first + min(rec.count, k1 + 1 + ahead)):
+                if not (self.cache.peek(b) or (frames and frames.usable(b))
+                        or (in_c is not None and in_c(b))):
+                    self._nursery.start_soon(self._prefetch, b)
         return out
 
     async def _prefetch(self, blob: int) -> None:

@@ -24,11 +24,13 @@ from . import _blobcodec, _zdict
 from ._blobcodec import DEFAULT_FRAME_SIZE, MIN_FRAME, RAW_FRAME_SIZE
 from ._errors import FanstoreError
 from ._format import (
+    ALIGN_MIN,
     BLOB_COLUMNS,
     CODEC_FRAMED,
     CODEC_RAW,
     CODEC_ZSTD,
     CODEC_ZSTD_DICT,
+    DATA_ALIGN,
     DEFAULT_CHUNK_SIZE,
     KIND_DIR,
     KIND_FILE,
@@ -39,6 +41,7 @@ from ._format import (
     Manifest,
     PartitionInfo,
     checksum,
+    data_lead,
     partition_header,
     partition_name,
 )
@@ -265,6 +268,10 @@ def prep(
                 pool, lambda j: (j, packer(j)), jobs, window=workers * 8
             ):
                 p, j = job.part, job.blob
+                if len(data) >= ALIGN_MIN:  # its raw data on a DATA_ALIGN boundary
+                    pad = -(part_sizes[p] + data_lead(codec, len(data), raw_len)) % DATA_ALIGN
+                    handles[p].write(bytes(pad))
+                    part_sizes[p] += pad
                 b_cols["part"][j] = p
                 b_cols["offset"][j] = part_sizes[p]
                 b_cols["stored"][j] = len(data)

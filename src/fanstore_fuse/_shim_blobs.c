@@ -18,10 +18,9 @@
 #include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/uio.h>
 #include <unistd.h>
-#define XXH_INLINE_ALL
-#include <xxhash.h>
 #define ZSTD_STATIC_LINKING_ONLY /* ZSTD_getFrameContentSize's constants */
 #include <zstd.h>
 
@@ -41,10 +40,6 @@ static const uint64_t *dense_ids, *dense_offs;
 static uint64_t dense_n;
 ZSTD_DDict *fanstore_ddict; /* codec 2; NULL without a dictionary */
 static int nowait_ok = 1; /* cleared for good when the file system refuses RWF_NOWAIT */
-
-uint64_t fanstore_checksum(const void *p, size_t n) {
-    return XXH3_64bits_withSeed(p, n, FANSTORE_HASH_SEED);
-}
 
 /* ------------------------------------------------------------------ local copies */
 
@@ -76,6 +71,29 @@ int64_t fanstore_blob_locate(uint64_t blob, int *fd) {
     return where(blob, fd);
 }
 
+size_t fanstore_pages_missing(const void *p, size_t len) {
+    uintptr_t a = (uintptr_t)p & ~(uintptr_t)4095;
+    len += (uintptr_t)p - a;
+    size_t pages = (len + 4095) / 4096, missing = 0;
+    unsigned char small[2048], *vec = pages <= sizeof(small) ? small : malloc(pages);
+    if (vec == NULL || mincore((void *)a, len, vec) != 0)
+        missing = pages;
+    else
+        for (size_t i = 0; i < pages; i++)
+            missing += !(vec[i] & 1);
+    if (vec != small)
+        free(vec);
+    return missing;
+}
+
+uint32_t fanstore_blob_parts(void) {
+    return nparts;
+}
+
+int fanstore_blob_part_fd(uint32_t part) {
+    return part < nparts ? fds[part] : -1;
+}
+
 int fanstore_blob_held(uint64_t blob) {
     int fd;
     return where(blob, &fd) >= 0;
@@ -100,6 +118,8 @@ int fanstore_blob_pread(uint64_t blob, uint64_t rel, size_t n, void *buf, int no
         if (r < 0 && nowait && (errno == EAGAIN || errno == EOPNOTSUPP || errno == EINVAL)) {
             if (errno != EAGAIN)
                 nowait_ok = 0;
+            else
+                fanstore_stream_cold(fanstore_blobs.part[blob]);
             return FANSTORE_BLOB_AGAIN;
         }
         if (r <= 0)
@@ -114,6 +134,7 @@ int fanstore_blob_pread(uint64_t blob, uint64_t rel, size_t n, void *buf, int no
 /* ------------------------------------------------------------------ Python */
 
 static void release_held(void) {
+    fanstore_stream_stop(); /* it reads the descriptors closed below */
     memset(&fanstore_blobs, 0, sizeof(fanstore_blobs)); /* nothing held first */
     for (uint32_t p = 0; p < nparts; p++)
         if (fds[p] >= 0)

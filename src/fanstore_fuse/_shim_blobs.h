@@ -58,7 +58,9 @@ struct fanstore_ftable {
     int refs; /* the cache's reference and each fanstore_table_get's (under the cache lock) */
 };
 
-uint64_t fanstore_checksum(const void *p, size_t n); /* xxh3-64, FANSTORE_HASH_SEED */
+/* xxh3-64 with FANSTORE_HASH_SEED, the variant chosen at run time (_shim_xxh3.c): every hash
+ * the shim computes goes through here or fanstore_xxh3. */
+uint64_t fanstore_checksum(const void *p, size_t n);
 
 /* Whether this rank holds `blob`'s stored bytes locally (its partition is here: whole, or a
  * dense copy listing the blob). */
@@ -67,6 +69,20 @@ int fanstore_blob_held(uint64_t blob);
 /* Where `blob`'s stored bytes lie in this rank's local copy: the offset in *fd's file, or -1
  * when not held (for replies sent from a mapping: _shim_remote_serve_map.c). */
 int64_t fanstore_blob_locate(uint64_t blob, int *fd);
+
+/* Pages of the `len` bytes mapped at `p` (any alignment) that are not in the page cache
+ * (`mincore`, which reads nothing in); all of them when it cannot tell. */
+size_t fanstore_pages_missing(const void *p, size_t len);
+
+/* The partitions, and the descriptor of partition `part`'s local copy (-1: not here). */
+uint32_t fanstore_blob_parts(void);
+int fanstore_blob_part_fd(uint32_t part);
+
+/* Local copies streamed into the page cache (_shim_stream.c): `part`'s copy was found cold by
+ * a read (cheap: a counter, and a signal to the streaming thread now and then); stop joins the
+ * thread (before the descriptors close). */
+void fanstore_stream_cold(uint32_t part);
+void fanstore_stream_stop(void);
 
 /* `n` stored bytes of `blob` from `rel` bytes into them, into `buf` (the whole blob: rel 0,
  * n = stored[blob]). nowait: only from the page cache (preadv2 RWF_NOWAIT), AGAIN at once
@@ -161,6 +177,13 @@ struct fanstore_scratch {
     int want_frame; /* set by the caller: a raw frame read in part comes as s->frame too */
 };
 void fanstore_scratch_free(struct fanstore_scratch *s);
+
+/* `n` bytes (at least 1) on a 64-byte boundary, for blob bytes; free() them. Prep puts blob data
+ * on 64-byte boundaries too (`_format.DATA_ALIGN`): on AMD EPYC a `rep movsb` copy (glibc's
+ * memcpy of 2 KiB..~1 MiB, every kernel copy to or from user memory) whose destination lies
+ * 8..24 bytes past its source modulo 4096 runs at a third of the speed; two 64-aligned
+ * addresses are never that close (`python -m bench.copy_align`, docs/performance.md). */
+void *fanstore_data_alloc(size_t n);
 void fanstore_scratch_release(struct fanstore_scratch *s); /* the frame reference, if any */
 
 /* Raw bytes lo..hi (hi <= raw[blob]) of `blob`, held here, verified: a framed blob reads only
@@ -184,6 +207,7 @@ void fanstore_push(uint64_t ino, uint64_t off, struct fanstore_frame *f);
 int fanstore_push_on(void);
 
 #ifdef Py_PYTHON_H /* the module's functions, for _noflush.c's method table */
+#include "_shim_xxh3.h"
 PyObject *fanstore_py_hold_blobs(PyObject *self, PyObject *args);
 PyObject *fanstore_py_drop_blobs(PyObject *self, PyObject *unused);
 PyObject *fanstore_py_blob_read(PyObject *self, PyObject *args);
@@ -204,7 +228,8 @@ PyObject *fanstore_py_frame_counts(PyObject *self, PyObject *unused); /* _shim_p
      "in C up to budget bytes (0: off); push: partly read frames stored in the page cache"},    \
     {"frame_counts", fanstore_py_frame_counts, METH_NOARGS,                                      \
      "frame_counts(): (hits, misses, evictions, bytes, entries, budget, pushes, pushed bytes, "  \
-     "failed pushes, dropped pushes)"},
+     "failed pushes, dropped pushes)"},                                                      \
+        FANSTORE_XXH3_METHODS
 #endif
 
 #endif

@@ -144,7 +144,7 @@ int fanstore_cache_read(uint64_t blob, char *buf, size_t cap, uint32_t *raw, int
     uint64_t want = 0;
     for (int k = ENTRY_HEADER - 1; k >= 0; k--)
         want = want << 8 | digest[k];
-    if (got != (ssize_t)len + ENTRY_HEADER || XXH3_64bits_withSeed(buf, len, HASH_SEED) != want) {
+    if (got != (ssize_t)len + ENTRY_HEADER || fanstore_checksum(buf, len) != want) {
         __atomic_add_fetch(&fallbacks, 1, __ATOMIC_RELAXED);
         return FANSTORE_CACHE_FALLBACK;
     }
@@ -159,9 +159,10 @@ int fanstore_cache_range(uint64_t blob, uint64_t lo, uint64_t hi, int nowait, ch
     if (!fanstore_cache_lookup(blob, &raw))
         return FANSTORE_CACHE_MISS;
     if (*cap < raw || *buf == NULL) {
-        char *grown = realloc(*buf, raw ? raw : 1);
+        char *grown = fanstore_data_alloc(raw); /* nothing to keep: read afresh below */
         if (grown == NULL)
             return FANSTORE_CACHE_FALLBACK;
+        free(*buf);
         *buf = grown;
         *cap = raw ? raw : 1;
     }

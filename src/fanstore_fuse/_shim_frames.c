@@ -263,11 +263,16 @@ int fanstore_blob_decode(uint64_t blob, const void *stored, void *out) {
     }
 }
 
+void *fanstore_data_alloc(size_t n) {
+    void *p = NULL;
+    return posix_memalign(&p, 64, n ? n : 1) == 0 ? p : NULL;
+}
+
 static int grow(char **p, size_t *cap, size_t n) {
     if (*cap >= n)
         return 1;
     size_t c = n < 65536 ? 65536 : n;
-    char *q = malloc(c);
+    char *q = fanstore_data_alloc(c);
     if (q == NULL)
         return 0;
     free(*p);

@@ -27,6 +27,7 @@ int fanstore_threads_on(struct fuse_session *se);    /* the threads read `se`'s 
 int fanstore_threads_fd(void);                        /* readable while the queue holds one */
 int fanstore_threads_pop(struct fuse_buf *buf);       /* the next queued request (-EINTR: none) */
 int fanstore_threads_queued(void);                    /* whether a request is queued */
+int fanstore_threads_dev_waiting(void);                /* whether /dev/fuse holds a request not read yet */
 void fanstore_threads_destroy(struct fuse_session *se); /* threads stopped, before libfuse's */
 
 #ifdef Py_PYTHON_H /* the module's functions defined next to their patch */
@@ -40,6 +41,7 @@ PyObject *fanstore_linger_trio(PyObject *self, PyObject *args);    /* _shim_open
 PyObject *fanstore_py_fast_read(PyObject *self, PyObject *args);    /* _shim_read.c */
 PyObject *fanstore_py_read_start(PyObject *self, PyObject *fallback);
 PyObject *fanstore_py_read_counts(PyObject *self, PyObject *unused);
+PyObject *fanstore_py_stream_counts(PyObject *self, PyObject *unused);
 PyObject *fanstore_py_fuse_threads(PyObject *self, PyObject *args);        /* _shim_threads.c */
 PyObject *fanstore_py_fuse_thread_counts(PyObject *self, PyObject *unused);
 PyObject *fanstore_py_fuse_queued(PyObject *self, PyObject *unused);

@@ -156,7 +156,7 @@ static int serve(const struct job *jb, int nowait, struct worker *w) {
     }
     size_t n = end - jb->off;
     if (w->cat_cap < n) {
-        char *c = malloc(n);
+        char *c = fanstore_data_alloc(n);
         if (c == NULL)
             return FANSTORE_BLOB_NOMEM;
         free(w->cat);
@@ -255,8 +255,8 @@ static int64_t now_ns(void) {
 }
 
 static int fuse_waiting(void) { /* queued by _shim_threads.c's readers, or in the kernel */
-    if (fanstore_threads_on(fanstore_session)) /* the fd is its eventfd: readable iff queued */
-        return fanstore_threads_queued();
+    if (fanstore_threads_on(fanstore_session)) /* queued for trio, or not yet read by them */
+        return fanstore_threads_queued() || fanstore_threads_dev_waiting();
     struct pollfd p = {.fd = session_fd(fanstore_session), .events = POLLIN};
     return poll(&p, 1, 0) != 0;
 }

@@ -113,6 +113,8 @@ int fanstore_remote_answered(uint64_t ino, const void *body, size_t left);
 #ifdef Py_PYTHON_H /* the module's functions, for _noflush.c's method table */
 PyObject *fanstore_py_remote_read_start(PyObject *self, PyObject *args);
 PyObject *fanstore_py_remote_owners(PyObject *self, PyObject *arr);
+PyObject *fanstore_py_remote_ahead(PyObject *self, PyObject *arg);
+PyObject *fanstore_py_remote_chunk(PyObject *self, PyObject *arg);
 PyObject *fanstore_py_remote_start(PyObject *self, PyObject *args);
 PyObject *fanstore_py_remote_stop(PyObject *self, PyObject *unused);
 PyObject *fanstore_py_remote_fetch(PyObject *self, PyObject *args);
@@ -142,7 +144,13 @@ PyObject *fanstore_py_remote_bench(PyObject *self, PyObject *args); /* _shim_rem
      "remote_read_start(fallback, timeout, cache_index or None): READs of blobs held elsewhere " \
      "through the remote thread from now on (once remote_owners published the owners)"},        \
     {"remote_owners", fanstore_py_remote_owners, METH_O,                                         \
-     "remote_owners(u16 array): the primary owner of every blob (published once)"},
+     "remote_owners(u16 array): the primary owner of every blob (published once)"},             \
+    {"remote_ahead", fanstore_py_remote_ahead, METH_O,                                           \
+     "remote_ahead(blob): whether READs in C fetch it ahead for Python's read-ahead (True: "     \
+     "Python leaves it)"},                                                                       \
+    {"remote_chunk", fanstore_py_remote_chunk, METH_O,                                           \
+     "remote_chunk(blob): a copy of it from the chunk cache of READs in C, True while being "    \
+     "fetched there, else None"},
 #endif
 
 #endif

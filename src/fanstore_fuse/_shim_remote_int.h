@@ -110,7 +110,7 @@ struct fsr_stats {
         error_replies, fetched, fetched_bytes, corrupt, timeouts, peer_errors, send_errors,
         verified_by_worker, open_calls, peak_calls, c_reads, c_read_bytes, c_read_fallbacks,
         cache_offers, c_range_reads, c_chunk_hits, c_fetch_ahead, send_waits, worker_sends,
-        served_mapped, py_in_place, local_rings;
+        served_mapped, py_in_place, local_rings, map_zaps;
 };
 extern struct fsr_stats fsr_stats;
 
@@ -146,8 +146,9 @@ int fsr_add_call(const struct call *proto, double timeout); /* fanstore_remote_f
 void fsr_answered(char *buf, size_t n);
 void *fsr_worker(void *unused);
 /* _shim_remote_py.c: Python's calls */
-void fsr_offer(uint64_t blob, const char *raw, size_t n, void *mem); /* raw bytes for the disk cache,
-                                                                      inside `mem` (taken over) */
+/* raw bytes for the disk cache, inside `mem` (taken over: release(mem) when Python is done with
+ * them; NULL: free) */
+void fsr_offer(uint64_t blob, const char *raw, size_t n, void *mem, void (*release)(void *));
 void fsr_verify_py(struct call *c, char *buf, size_t n); /* a reply to Python's call (buf taken over) */
 /* _shim_remote_range.c: FSR_OP_FRAMES */
 char *fsr_serve_frames(const struct fsr_header *req, int nowait, size_t *n, int *again, int *tag);
@@ -160,9 +161,12 @@ void fsr_verify_frames(struct call *c, char *buf, size_t n);
  * a bare reply); fsr_maps_drop unmaps (the remote thread stopped). fsr_answered_bare: a bare
  * reply received into buf + sizeof(fsr_header) (`n` counts the header), its call found by
  * source and tag, the header put in front, then fsr_answered. */
-#define MAP_MIN (256u << 10)
+#define MAP_MIN 0u /* every whole-blob reply is bare (FANSTORE_CREMOTE_MAP_MIN: bytes) */
 char *fsr_serve_bare(const struct fsr_header *req, size_t len, int nowait, size_t *n, int *again, int *tag);
 void fsr_free_out(void *buf);
+/* The remote thread had nothing to do for a whole idle wait: drop the mappings' page-table
+ * entries if small bare replies were sent since the last drop (_shim_remote_serve_map.c). */
+void fsr_maps_idle(void);
 void fsr_maps_drop(void);
 void fsr_answered_bare(char *buf, size_t n, int source, int tag);
 /* _shim_remote_mpi.c: MPI and the remote thread */

@@ -323,7 +323,7 @@ static int fsr_receive(void) {
         moved = 1;
         fsr_mpi.Get_count(&st, fsr_state.byte, &count);
         size_t pre = st.tag >= FSR_TAG_BARE ? sizeof(struct fsr_header) : 0; /* its header: ours */
-        char *buf = malloc(pre + (count > 0 ? (size_t)count : 1));
+        char *buf = fanstore_data_alloc(pre + (count > 0 ? (size_t)count : 1));
         if (buf == NULL)
             abort(); /* a matched message must be received */
         if (fsr_mpi.Mrecv(buf + pre, count, fsr_state.byte, &msg, MPI_STATUS_IGNORE_) != 0) {
@@ -435,6 +435,7 @@ void *fsr_thread(void *unused) {
             continue;
         }
         double timeout;
+        int idle = 0; /* a whole idle wait: nothing in flight, nothing being chased */
         if (fsr_state.gathered != 1) {
             timeout = 5e-3; /* waiting for the other ranks' threads: nothing to serve yet */
         } else if (fsr_state.nsends || chase) {
@@ -445,6 +446,7 @@ void *fsr_thread(void *unused) {
             /* bells announce every message: these waits only bound what a lost bell costs
              * (deadlines are also enforced by the workers); every wake-up is CPU */
             timeout = fsr_state.inflight ? fsr_idle / 10 : fsr_idle;
+            idle = !fsr_state.inflight;
         }
         struct pollfd fds[3] = {{fsr_state.bell_fd, POLLIN, 0}, {fsr_state.wake_fd, POLLIN, 0}, {ubell_fd, POLLIN, 0}};
         struct timespec ts = {(time_t)timeout, (long)((timeout - (double)(time_t)timeout) * 1e9)};
@@ -460,6 +462,8 @@ void *fsr_thread(void *unused) {
             }
             if (fds[1].revents)
                 fsr_take_pokes(fsr_state.wake_fd);
+        } else if (idle) {
+            fsr_maps_idle();
         }
     }
     /* stopping: what is in flight will not be answered */

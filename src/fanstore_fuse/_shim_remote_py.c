@@ -32,7 +32,8 @@ struct finished { /* for remote_take: a Python call's outcome, or a blob for the
     int status;
     char *raw; /* a token's: the verified raw bytes, LEAD bytes into their block, a NUL after */
     size_t n;
-    void *mem; /* a blob for the disk cache: the malloc'd block `raw` lies in */
+    void *mem; /* a blob for the disk cache: the block `raw` lies in */
+    void (*release)(void *); /* lets go of mem (NULL: free) */
 };
 static struct finished *finished_list;
 
@@ -57,7 +58,15 @@ struct held_raw {
     PyObject_HEAD char *raw;
     Py_ssize_t n;
     void *mem;
+    void (*release)(void *); /* NULL: free */
 };
+
+static void let_go(void *mem, void (*release)(void *)) {
+    if (release != NULL)
+        release(mem);
+    else
+        free(mem);
+}
 
 static int held_raw_buffer(PyObject *self, Py_buffer *view, int flags) {
     struct held_raw *h = (struct held_raw *)self;
@@ -65,7 +74,8 @@ static int held_raw_buffer(PyObject *self, Py_buffer *view, int flags) {
 }
 
 static void held_raw_dealloc(PyObject *self) {
-    free(((struct held_raw *)self)->mem);
+    struct held_raw *h = (struct held_raw *)self;
+    let_go(h->mem, h->release);
     PyObject_Free(self);
 }
 
@@ -80,17 +90,18 @@ static PyTypeObject held_raw = {
     .tp_as_buffer = &held_raw_procs,
 };
 
-/* A memoryview of `raw`, inside `mem` (taken over: freed with the view's last reference), or
+/* A memoryview of `raw`, inside `mem` (taken over: let go with the view's last reference), or
  * NULL. */
-static PyObject *view_of(char *raw, size_t n, void *mem) {
+static PyObject *view_of(char *raw, size_t n, void *mem, void (*release)(void *)) {
     struct held_raw *h = PyObject_New(struct held_raw, &held_raw);
     if (h == NULL) {
-        free(mem);
+        let_go(mem, release);
         return NULL;
     }
     h->raw = raw;
     h->n = (Py_ssize_t)n;
     h->mem = mem;
+    h->release = release;
     PyObject *view = PyMemoryView_FromObject((PyObject *)h);
     Py_DECREF(h);
     return view;
@@ -183,13 +194,13 @@ static void py_done(void *ctx, int status, char *raw, size_t n) {
     push_finished(f);
 }
 
-void fsr_offer(uint64_t blob, const char *raw, size_t n, void *mem) {
+void fsr_offer(uint64_t blob, const char *raw, size_t n, void *mem, void (*release)(void *)) {
     struct finished *f = malloc(sizeof(*f));
     if (f == NULL) {
-        free(mem); /* not cached: nothing else is lost */
+        let_go(mem, release); /* not cached: nothing else is lost */
         return;
     }
-    *f = (struct finished){NULL, NULL, blob, 1, (char *)raw, n, mem};
+    *f = (struct finished){NULL, NULL, blob, 1, (char *)raw, n, mem, release};
     push_finished(f);
 }
 
@@ -259,7 +270,7 @@ PyObject *fanstore_py_remote_take(PyObject *self, PyObject *unused) {
             token = f->token;
             data = f->status == 0 ? lay_out(f->raw, f->n) : Py_NewRef(Py_None);
         } else {
-            data = view_of(f->raw, f->n, f->mem);
+            data = view_of(f->raw, f->n, f->mem, f->release);
             token = PyLong_FromUnsignedLongLong(f->blob);
         }
         PyObject *item = data && out && token ? Py_BuildValue("(NiN)", token, f->status, data) : NULL;

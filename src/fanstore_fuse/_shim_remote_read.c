@@ -3,28 +3,28 @@
  *
  * Patched into the FUSE table after _shim_read.c (fanstore_patch_remote): a READ this does not
  * take goes on to _shim_read.c's handler (held here: C; else pyfuse3's). It takes a READ when
- * the remote thread is ready and Python switched this on (remote_read_start, in the trio run)
- * and gave the owner of every blob (remote_owners, computed after mount), and:
- * - the handle is the inode of a dataset regular file that _shim_read.c serves;
- * - the READ lies in one blob, not held here, not in the disk cache (its slot in
- *   DiskCache's index is 0: a cached blob is read from the cache by Python);
+ * the remote thread is ready, Python switched this on (remote_read_start, in the trio run) and
+ * gave the owner of every blob (remote_owners), the handle is the inode of a dataset regular
+ * file that _shim_read.c serves, the READ lies in one blob not held here, and:
+ * - the blob is in the chunk cache (below), even if it reached the disk cache since; else it is
+ *   not in the disk cache (its slot in DiskCache's index is 0: Python reads cached blobs), and
  * - the blob is at most WHOLE_MAX raw bytes, or the READ covers all of it: the whole blob
- *   travels and is verified, then is offered to the disk cache when there is one (Python's
- *   CRemote.run puts it);
+ *   travels, is verified, then is offered to the disk cache when there is one (CRemote.run);
  * - or the blob is larger (up to CHUNK_MAX) and the READ sequential (it starts where the last
- *   READ of the file ended, or at the chunk's start) or its blob is in the chunk cache: the whole blob travels once into one of SLOTS
- *   slots (READs arriving while it travels wait on it, later ones are answered from it on the
- *   FUSE thread), the file's next AHEAD chunks are fetched ahead (FANSTORE_CREMOTE_AHEAD;
- *   several requests in flight per reader: a pipeline), and the blob is offered to the disk
- *   cache when there is one;
+ *   READ of the file ended, or at the chunk's start): the whole blob travels once into one of
+ *   SLOTS slots, the chunk cache (READs arriving while it travels wait on it, later ones are
+ *   answered from it on the FUSE thread), the file's next AHEAD chunks are fetched ahead
+ *   (FANSTORE_CREMOTE_AHEAD: a pipeline), and the blob is offered to the disk cache, the slot's
+ *   own block shared with the offer (no copy). Python's read-ahead asks remote_ahead first and
+ *   leaves what this fetches; a READ Python answers takes a slot's bytes (remote_chunk): each
+ *   chunk travels once, not once for C and once for Python;
  * - or the blob is framed and larger, the READ not sequential, and there is no disk cache:
- *   only the frames that cover the READ travel, with the frame table (FSR_OP_FRAMES,
- *   _shim_remote_range.c), each checked here. With a disk cache such READs go to Python,
- *   whose blob cache serves the rest of a chunk from one fetch and puts it in the disk cache.
+ *   only the frames that cover the READ travel (FSR_OP_FRAMES, _shim_remote_range.c). With a
+ *   disk cache such READs go to Python, which fetches the chunk once and caches it.
  * The call goes to the blob's primary owner; its reply (verified in C: nothing that failed a
- * check is ever sent) is answered with fuse_reply_buf. A time-out, an error reply or bad bytes hand
- * the READ to Python on a thread of its own (the fallback: _cremote's, which logs, marks a
- * silent peer, and reads through Operations.read: replicas, DEST, EIO).
+ * check is ever sent) is answered with fuse_reply_buf. A time-out, an error reply or bad bytes
+ * hand the READ to Python on a thread of its own (_cremote._ReadFallback: log, mark a silent
+ * peer, read through Operations.read: replicas, DEST, EIO).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -67,22 +67,34 @@ struct rread {
 
 /* ------------------------------------------------------------------ the chunk cache */
 
+/* A chunk's block, shared by its slot and its offer to the disk cache (no copy: Python's
+ * writer only reads it): freed by whichever lets go last. */
+struct kept {
+    int refs;
+    void *mem;
+};
 enum { EMPTY, PENDING, READY };
 struct slot {
     uint64_t blob;
     int state, refs;       /* refs: READs being answered from raw (READY) */
-    const char *raw;       /* READY: the verified raw bytes, n of them, inside mem */
-    void *mem;
+    const char *raw;       /* READY: the verified raw bytes, n of them, inside kept's block */
+    struct kept *kept;
     size_t n;
     struct rread *waiting; /* PENDING: READs to answer when it arrives */
     uint64_t used;
 };
 static struct slot slots[SLOTS];
-static struct {
-    uint64_t ino, end;
-} seq[SEQ_SLOTS];
+static struct { uint64_t ino, end; } seq[SEQ_SLOTS];
 static uint64_t ticks;
 static pthread_mutex_t slot_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void kept_put(void *p) {
+    struct kept *k = p;
+    if (k != NULL && __atomic_sub_fetch(&k->refs, 1, __ATOMIC_ACQ_REL) == 0) {
+        free(k->mem);
+        free(k);
+    }
+}
 
 static int find_slot(uint64_t blob) { /* under slot_lock */
     for (int i = 0; i < SLOTS; i++)
@@ -91,7 +103,16 @@ static int find_slot(uint64_t blob) { /* under slot_lock */
     return -1;
 }
 
-/* Whether a READ of `blob` at `off` of `ino` goes through the chunk cache. */
+static int cached(uint64_t blob) { /* in the disk cache (Python reads it there) */
+    return cache_loc != NULL && __atomic_load_n(&cache_loc[blob], __ATOMIC_RELAXED) != 0;
+}
+
+static int chunky(uint64_t blob) { /* a blob that may go in a slot */
+    return chunks && fanstore_blobs.raw[blob] > WHOLE_MAX && fanstore_blobs.raw[blob] <= CHUNK_MAX;
+}
+
+/* Whether a READ of `blob` at `off` of `ino` goes through the chunk cache (off UINT64_MAX:
+ * whether a slot has `blob`, pending or ready). */
 static int chunk_wanted(uint64_t ino, uint64_t off, uint64_t blob) {
     pthread_mutex_lock(&slot_lock);
     int yes = find_slot(blob) >= 0 || (seq[ino % SEQ_SLOTS].ino == ino && seq[ino % SEQ_SLOTS].end == off);
@@ -111,11 +132,15 @@ static int take(uint64_t ino, uint64_t fh, uint64_t off, uint64_t size, struct r
     if ((end - 1) / chunk != k || k >= fanstore_ds.count[j])
         return 0;
     uint64_t b = fanstore_ds.first[j] + k, base = k * chunk, raw = fanstore_blobs.raw[b];
-    if (fanstore_blob_held(b) || (cache_loc != NULL && cache_loc[b] != 0) || fanstore_remote_suspect(own[b]))
+    if (fanstore_blob_held(b))
         return 0;
     int mode = WHOLE;
-    if (raw > WHOLE_MAX && !(off == base && end - base == raw)) {
-        if (chunks && raw <= CHUNK_MAX && (off == base || chunk_wanted(ino, off, b)))
+    if (chunky(b) && chunk_wanted(ino, UINT64_MAX, b)) /* in a slot: answered from it, even */
+        mode = CHUNK;                                  /* once in the disk cache too */
+    else if (cached(b) || fanstore_remote_suspect(own[b]))
+        return 0;
+    else if (raw > WHOLE_MAX && !(off == base && end - base == raw)) {
+        if (chunky(b) && (off == base || chunk_wanted(ino, off, b)))
             mode = CHUNK;
         else if (cache_loc == NULL && fanstore_blobs.codec[b] == FANSTORE_CODEC_FRAMED)
             mode = RANGE;
@@ -191,7 +216,7 @@ static void read_done(void *ctx, int status, const char *raw, size_t n, void *me
         ADD(c_read_bytes, r->hi - r->lo);
         if (cache_loc != NULL) {
             COUNT(cache_offers);
-            fsr_offer(r->blob, raw, n, mem);
+            fsr_offer(r->blob, raw, n, mem, NULL);
         } else {
             free(mem);
         }
@@ -215,23 +240,24 @@ static void answer(struct rread *r, const char *raw, size_t n) { /* CHUNK: from 
 
 static void chunk_done(void *ctx, int status, const char *raw, size_t n, void *mem) {
     struct slot *s = &slots[(uintptr_t)ctx];
+    int offer = status == 0 && cache_loc != NULL; /* the same block to the disk cache */
+    struct kept *k = status == 0 ? malloc(sizeof(*k)) : NULL;
+    if (k != NULL)
+        *k = (struct kept){1 + offer, mem};
+    else if (free(mem), status == 0)
+        status = -ENOMEM;
     pthread_mutex_lock(&slot_lock);
     struct rread *w = s->waiting;
     uint64_t blob = s->blob;
     s->waiting = NULL;
-    if (status == 0) {
-        *s = (struct slot){blob, READY, 1, raw, mem, n, NULL, ++ticks};
-    } else {
+    if (status == 0)
+        *s = (struct slot){blob, READY, 1, raw, k, n, NULL, ++ticks};
+    else
         s->state = EMPTY;
-    }
     pthread_mutex_unlock(&slot_lock);
-    if (status == 0 && cache_loc != NULL) { /* a copy for the disk cache (Python writes it) */
-        char *copy = malloc(n ? n : 1);
-        if (copy != NULL) {
-            memcpy(copy, raw, n);
-            COUNT(cache_offers);
-            fsr_offer(blob, copy, n, copy);
-        }
+    if (status == 0 && offer) { /* Python's writer reads it while the slot may still answer */
+        COUNT(cache_offers);
+        fsr_offer(blob, raw, n, k, kept_put);
     }
     while (w != NULL) {
         struct rread *next = w->next;
@@ -261,12 +287,12 @@ static int chunk_fetch(uint64_t blob, int owner, struct rread *r) {
         pthread_mutex_unlock(&slot_lock);
         return -1;
     }
-    void *old = slots[v].state == READY ? slots[v].mem : NULL;
+    struct kept *old = slots[v].state == READY ? slots[v].kept : NULL;
     slots[v] = (struct slot){blob, PENDING, 0, NULL, NULL, 0, r, ++ticks};
     if (r != NULL)
         r->next = NULL;
     pthread_mutex_unlock(&slot_lock);
-    free(old);
+    kept_put(old);
     void *ctx = (void *)(uintptr_t)v;
     if (fanstore_remote_fetch_kept(owner, blob, 0, fanstore_blobs.raw[blob], timeout, chunk_done, ctx) == 0)
         return 0;
@@ -283,31 +309,36 @@ static int chunk_fetch(uint64_t blob, int owner, struct rread *r) {
     return -1;
 }
 
-/* The file's next `ahead` chunks: each that another rank holds and no slot has is fetched
- * ahead (at most ahead + 1 chunks pending at once, the READ's own included), so that several
- * chunks travel while the reader reads one. */
+enum { AHEAD_HAS = 1, AHEAD_NOT_MINE = 0, AHEAD_BUSY = -1, AHEAD_NO_SLOT = -2 };
+
+/* Fetch `blob` ahead into a slot: HAS (a slot has it, or it is fetched now), NOT_MINE (held
+ * here, in the disk cache, not a chunk, a suspect owner), BUSY (ahead + 1 chunks pending: the
+ * READ's own and `ahead`), NO_SLOT. */
+static int ahead_one(uint64_t b, const uint16_t *own) {
+    if (fanstore_blob_held(b) || !chunky(b))
+        return AHEAD_NOT_MINE;
+    pthread_mutex_lock(&slot_lock);
+    int pending = 0, has = find_slot(b) >= 0;
+    for (int i = 0; i < SLOTS; i++)
+        pending += slots[i].state == PENDING;
+    if (has || cached(b) || fanstore_remote_suspect(own[b]) || pending > ahead) {
+        pthread_mutex_unlock(&slot_lock);
+        return has ? AHEAD_HAS : pending > ahead ? AHEAD_BUSY : AHEAD_NOT_MINE;
+    }
+    if (chunk_fetch(b, own[b], NULL) != 0)
+        return AHEAD_NO_SLOT;
+    COUNT(c_fetch_ahead);
+    return AHEAD_HAS;
+}
+
+/* The file's next `ahead` chunks held elsewhere fetched ahead, so that several chunks travel
+ * while the reader reads one. */
 static void fetch_ahead(const struct rread *r) {
     const uint16_t *own = __atomic_load_n(&owner, __ATOMIC_ACQUIRE);
     uint64_t j = r->ino - 1, k0 = r->off / fanstore_blobs.chunk_size;
-    for (uint64_t k = k0 + 1; k <= k0 + (uint64_t)ahead && k < fanstore_ds.count[j]; k++) {
-        uint64_t b = fanstore_ds.first[j] + k;
-        if (fanstore_blob_held(b) || (cache_loc != NULL && cache_loc[b] != 0) || fanstore_remote_suspect(own[b]) ||
-            fanstore_blobs.raw[b] <= WHOLE_MAX || fanstore_blobs.raw[b] > CHUNK_MAX)
-            continue;
-        pthread_mutex_lock(&slot_lock);
-        int pending = 0;
-        for (int i = 0; i < SLOTS; i++)
-            pending += slots[i].state == PENDING;
-        if (find_slot(b) >= 0 || pending > ahead) { /* the READ's own chunk and `ahead` */
-            pthread_mutex_unlock(&slot_lock);
-            if (pending > ahead)
-                return;
-            continue;
-        }
-        if (chunk_fetch(b, own[b], NULL) != 0)
-            return; /* no slot free */
-        COUNT(c_fetch_ahead);
-    }
+    for (uint64_t k = k0 + 1; k <= k0 + (uint64_t)ahead && k < fanstore_ds.count[j]; k++)
+        if (ahead_one(fanstore_ds.first[j] + k, own) < 0)
+            return;
 }
 
 /* CHUNK: answered from its slot, queued on it, or a new fetch; 0 when no slot was free. */
@@ -316,6 +347,10 @@ static int chunk_read(struct rread *r) {
     seq[r->ino % SEQ_SLOTS].ino = r->ino;
     seq[r->ino % SEQ_SLOTS].end = r->off + (r->hi - r->lo);
     int i = find_slot(r->blob);
+    if (i < 0 && cached(r->blob)) { /* left its slot since take(): Python reads the disk cache */
+        pthread_mutex_unlock(&slot_lock);
+        return 0;
+    }
     if (i >= 0 && slots[i].state == READY) {
         struct slot *s = &slots[i];
         s->refs++;
@@ -368,6 +403,43 @@ static void remote_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, 
         free(p);
     }
     next_read(req, ino, size, off, fi);
+}
+
+/* remote_ahead(blob) -> bool, for Python's read-ahead (Node.read): True when READs in C will
+ * find the blob in a slot (it has it or fetches it now; or chunks enough are on their way:
+ * then the READ's own fetch), so Python leaves it; False: Python reads it ahead itself. */
+PyObject *fanstore_py_remote_ahead(PyObject *self, PyObject *arg) {
+    (void)self;
+    unsigned long long b = PyLong_AsUnsignedLongLong(arg);
+    if (b == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    const uint16_t *own = __atomic_load_n(&owner, __ATOMIC_ACQUIRE);
+    int r = reading && own != NULL && b < fanstore_blobs.n && fanstore_remote_ready() ? ahead_one(b, own) : 0;
+    return PyBool_FromLong(r == AHEAD_HAS || r == AHEAD_BUSY);
+}
+
+/* remote_chunk(blob): a copy of the verified raw bytes a slot holds, True while one fetches
+ * them, else None (a READ Python answers takes what READs in C fetched: no second fetch). */
+PyObject *fanstore_py_remote_chunk(PyObject *self, PyObject *arg) {
+    (void)self;
+    unsigned long long b = PyLong_AsUnsignedLongLong(arg);
+    if (b == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    pthread_mutex_lock(&slot_lock);
+    int i = find_slot(b);
+    if (i < 0 || slots[i].state != READY) {
+        pthread_mutex_unlock(&slot_lock);
+        return Py_NewRef(i < 0 ? Py_None : Py_True);
+    }
+    struct slot *s = &slots[i];
+    s->refs++;
+    s->used = ++ticks;
+    pthread_mutex_unlock(&slot_lock);
+    PyObject *out = PyBytes_FromStringAndSize(s->raw, (Py_ssize_t)s->n);
+    pthread_mutex_lock(&slot_lock);
+    s->refs--;
+    pthread_mutex_unlock(&slot_lock);
+    return out;
 }
 
 void fanstore_patch_remote(struct fuse_lowlevel_ops *ops) {

@@ -20,8 +20,22 @@
  * pages the mapping already maps); otherwise a worker reads them in first (MADV_POPULATE_READ,
  * as it would pread). The file's size is checked against the blob before every reply (a short
  * partition is EIO, as a short pread): the requester never reads past the end of the file.
- * FANSTORE_CREMOTE_MAP=0: every reply read with pread and sent with its header. */
+ * FANSTORE_CREMOTE_MAP=0: every reply read with pread and sent with its header.
+ *
+ * Pages a process maps are never evicted by `drop_caches` and count in its RSS, so the
+ * mappings' page-table entries are dropped (MADV_DONTNEED: the pages stay in the page cache)
+ * each time ZAP_BYTES of small replies (under ZAP_SMALL: whole files of a dataset) have been
+ * sent bare, when a bare send completes, and when the remote thread found nothing to do for
+ * a whole idle wait after small replies (fsr_maps_idle: the last pass's pages do not stay
+ * pinned; with large folios, read in by _shim_stream.c, one mapped page pins 2 MiB) (counter
+ * `map_zaps`); whole mappings, since a fault
+ * also maps its neighbours' pages (fault-around). Large replies do not count: dropping after
+ * each 4 MiB chunk cost 3.5x the server's CPU per GB when chunks were served again (every page
+ * faulted back), so a stream of large chunks alone keeps them mapped. A send still in flight
+ * is unharmed: its bytes are faulted back in from the page cache (or the disk) by whoever
+ * reads them next, the eager copy or the peer's process_vm_readv; the partition is immutable. */
 #define _GNU_SOURCE
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 
@@ -32,6 +46,7 @@
 #endif
 
 static int map_on = -1; /* -1: the knob not read yet */
+static size_t map_min = MAP_MIN;
 static pthread_mutex_t maps_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct mapped {
     dev_t dev;
@@ -40,12 +55,22 @@ static struct mapped {
     char *base;
 } maps[256]; /* entries are only added while the remote thread runs (fsr_maps_drop: after) */
 static int nmaps;
+#define ZAP_BYTES (4u << 20)
+#define ZAP_SMALL (256u << 10) /* replies under this are let go of; larger stay mapped */
+static uint64_t zap_bytes = ZAP_BYTES; /* FANSTORE_CREMOTE_MAP_ZAP (bytes; 0: never), for A/B */
+static uint64_t bare_since_zap;        /* bytes of small replies sent bare since the last zap */
 
 static int mapping_on(void) {
     int on = __atomic_load_n(&map_on, __ATOMIC_RELAXED);
     if (on < 0) {
         const char *knob = getenv("FANSTORE_CREMOTE_MAP");
         on = knob == NULL || strcmp(knob, "0") != 0;
+        const char *least = getenv("FANSTORE_CREMOTE_MAP_MIN"); /* bytes; for measurements */
+        if (least != NULL && *least != '\0')
+            map_min = (size_t)strtoull(least, NULL, 10);
+        const char *zap = getenv("FANSTORE_CREMOTE_MAP_ZAP");
+        if (zap != NULL && *zap != '\0')
+            zap_bytes = strtoull(zap, NULL, 10);
         __atomic_store_n(&map_on, on, __ATOMIC_RELAXED);
     }
     return on;
@@ -63,6 +88,9 @@ static char *mapping(int fd, const struct stat *st) {
         if (base == MAP_FAILED)
             base = NULL;
         else {
+            /* no read-around by faults (the device's read_ahead_kb: 8 MiB on this VM, 128 KiB
+             * on most): a cold blob is read in with readahead(2) of exactly its bytes */
+            madvise(base, (size_t)st->st_size, MADV_RANDOM);
             maps[nmaps] = (struct mapped){st->st_dev, st->st_ino, st->st_size, base};
             __atomic_store_n(&nmaps, nmaps + 1, __ATOMIC_RELEASE); /* fsr_free_out reads it */
         }
@@ -71,11 +99,38 @@ static char *mapping(int fd, const struct stat *st) {
     return base;
 }
 
+/* Drop every mapping's page-table entries once ZAP_BYTES were sent bare since the last time. */
+static void maybe_zap(void) {
+    if (zap_bytes == 0 || __atomic_load_n(&bare_since_zap, __ATOMIC_RELAXED) < zap_bytes)
+        return;
+    pthread_mutex_lock(&maps_lock);
+    if (__atomic_exchange_n(&bare_since_zap, 0, __ATOMIC_RELAXED) >= zap_bytes) {
+        for (int i = 0; i < nmaps; i++) /* whole mappings: faults map neighbours' pages too */
+            madvise(maps[i].base, (size_t)maps[i].size, MADV_DONTNEED);
+        COUNT(map_zaps);
+    }
+    pthread_mutex_unlock(&maps_lock);
+}
+
+void fsr_maps_idle(void) {
+    if (__atomic_load_n(&bare_since_zap, __ATOMIC_RELAXED) == 0)
+        return;
+    pthread_mutex_lock(&maps_lock);
+    if (__atomic_exchange_n(&bare_since_zap, 0, __ATOMIC_RELAXED) > 0) {
+        for (int i = 0; i < nmaps; i++)
+            madvise(maps[i].base, (size_t)maps[i].size, MADV_DONTNEED);
+        COUNT(map_zaps);
+    }
+    pthread_mutex_unlock(&maps_lock);
+}
+
 void fsr_free_out(void *buf) {
     int n = __atomic_load_n(&nmaps, __ATOMIC_ACQUIRE);
-    for (int i = 0; i < n; i++) /* a bare reply: its bytes are the mapping's */
-        if ((char *)buf >= maps[i].base && (char *)buf < maps[i].base + maps[i].size)
+    for (int i = 0; i < n; i++)
+        if ((char *)buf >= maps[i].base && (char *)buf < maps[i].base + maps[i].size) {
+            maybe_zap(); /* a bare reply: its bytes are the mapping's */
             return;
+        }
     free(buf);
 }
 
@@ -147,26 +202,12 @@ char *fsr_serve(const struct fsr_header *req, int nowait, size_t *n, int *again,
 
 /* ------------------------------------------------------------------ bare replies */
 
-/* Whether all `len` bytes at `p` are in the page cache. */
-static int resident(const char *p, size_t len) {
-    uintptr_t a = (uintptr_t)p & ~(uintptr_t)4095;
-    len += (uintptr_t)p - a;
-    size_t pages = (len + 4095) / 4096;
-    unsigned char small[1024], *vec = pages <= sizeof(small) ? small : malloc(pages);
-    int all = vec != NULL && mincore((void *)a, len, vec) == 0;
-    for (size_t i = 0; all && i < pages; i++)
-        all = vec[i] & 1;
-    if (vec != small)
-        free(vec);
-    return all;
-}
-
 char *fsr_serve_bare(const struct fsr_header *req, size_t len, int nowait, size_t *n, int *again, int *tag) {
     *again = 0;
     int fd;
     int64_t at = fanstore_blob_locate(req->blob, &fd);
     struct stat st;
-    if (!mapping_on() || at < 0 || len < MAP_MIN || fstat(fd, &st) != 0)
+    if (!mapping_on() || at < 0 || len < map_min || fstat(fd, &st) != 0)
         return NULL;
     if (st.st_size < at + (off_t)len)
         return fsr_error_reply(req, EIO, n); /* as a short pread: never past the end */
@@ -174,11 +215,13 @@ char *fsr_serve_bare(const struct fsr_header *req, size_t len, int nowait, size_
     if (base == NULL)
         return NULL; /* pread then */
     char *p = base + at;
-    if (!resident(p, len)) {
+    if (fanstore_pages_missing(p, len) != 0) {
         if (nowait) {
+            fanstore_stream_cold(fanstore_blobs.part[req->blob]);
             *again = 1;
             return NULL;
         }
+        readahead(fd, (off64_t)at, len); /* exactly its bytes, in one request (MADV_RANDOM) */
         uintptr_t a = (uintptr_t)p & ~(uintptr_t)4095; /* read in here, as a pread would */
         if (madvise((void *)a, len + ((uintptr_t)p - a), MADV_POPULATE_READ) != 0)
             return errno == EINVAL ? NULL : fsr_error_reply(req, EIO, n);
@@ -188,6 +231,8 @@ char *fsr_serve_bare(const struct fsr_header *req, size_t len, int nowait, size_
     COUNT(served);
     COUNT(served_mapped);
     ADD(served_bytes, len);
+    if (len < ZAP_SMALL)
+        __atomic_add_fetch(&bare_since_zap, len, __ATOMIC_RELAXED);
     return p;
 }
 

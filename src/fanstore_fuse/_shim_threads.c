@@ -33,6 +33,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
@@ -206,6 +207,12 @@ int fanstore_threads_fd(void) { return efd; }
 
 int fanstore_threads_queued(void) {
     return running > 0 && __atomic_load_n(&head, __ATOMIC_RELAXED) != NULL;
+}
+
+int fanstore_threads_dev_waiting(void) {
+    int fd = __atomic_load_n(&dev_fd, __ATOMIC_RELAXED);
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    return running > 0 && fd >= 0 && poll(&p, 1, 0) > 0 && (p.revents & POLLIN);
 }
 
 int fanstore_threads_pop(struct fuse_buf *buf) {

@@ -15,7 +15,14 @@ import numpy as np
 
 from ._blobstore import DenseMap
 from ._errors import FanstoreError, FormatError
-from ._format import MANIFEST_NAME, PARTITION_DATA_START, Manifest, check_partition_header
+from ._format import (
+    ALIGN_MIN,
+    DATA_ALIGN,
+    MANIFEST_NAME,
+    PARTITION_DATA_START,
+    Manifest,
+    check_partition_header,
+)
 from ._manifest import check_manifest_header, trim_heap
 
 Ranges = np.ndarray  # k x 2 uint64: (offset, length) of each piece, in copy order
@@ -143,6 +150,30 @@ def _to_array(x: np.ndarray) -> array:
     return a
 
 
+def _alignment_pads(so: np.ndarray, st: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Bytes to copy before each range (sorted by source offset `so`, lengths `st`, groups
+    starting at `starts`, each group one local file from PARTITION_DATA_START on) so that every
+    blob of ALIGN_MIN bytes or more keeps its source offset modulo DATA_ALIGN (prep's alignment
+    of its data); smaller blobs are packed as they come. A blob's pad is the sum of the gaps in
+    the source since the last such blob (or the group's start), modulo DATA_ALIGN: the range
+    starts that much earlier in the source (never before byte 1: so >= 64, pad < 64)."""
+    n = len(so)
+    pad = np.zeros(n, np.int64)
+    if not n:
+        return pad
+    prev_end = np.r_[PARTITION_DATA_START, so[:-1] + st[:-1]]
+    prev_end[starts] = PARTITION_DATA_START
+    gaps = so - prev_end
+    cg = np.cumsum(gaps)
+    big = st >= ALIGN_MIN
+    idx = np.arange(n)
+    last_big = np.r_[-1, np.maximum.accumulate(np.where(big, idx, -1))[:-1]]
+    group = np.repeat(starts, np.diff(np.r_[starts, n]))
+    ref = np.where(last_big >= group, cg[np.maximum(last_big, 0)], cg[group] - gaps[group])
+    pad[big] = np.mod(cg - ref, DATA_ALIGN)[big]
+    return pad
+
+
 def plan_dense(manifest: Manifest, held: Iterable[int] | np.ndarray
                ) -> tuple[dict[int, Ranges | None], DenseMap]:
     """A rank's share: for each partition holding some of `held`, the source ranges to copy
@@ -159,18 +190,20 @@ def plan_dense(manifest: Manifest, held: Iterable[int] | np.ndarray
     h, hp = h[keep], hp[keep]
     order = np.lexsort((boff[h], hp))
     h, hp = h[order], hp[order]
-    st, so = bst[h].astype(np.uint64), boff[h]
-    excl = np.cumsum(st) - st
+    st, so = bst[h].astype(np.int64), boff[h].astype(np.int64)
     starts = np.flatnonzero(np.r_[True, hp[1:] != hp[:-1]]) if len(h) else np.empty(0, np.int64)
+    pad = _alignment_pads(so, st, starts)
+    so, st = so - pad, st + pad
+    excl = np.cumsum(st) - st
     group = np.repeat(starts, np.diff(np.r_[starts, len(h)]))
-    local = np.uint64(PARTITION_DATA_START) + excl - excl[group]
+    local = (PARTITION_DATA_START + excl - excl[group] + pad).astype(np.uint64)
     shares: dict[int, Ranges | None] = {p: None for p, info in enumerate(parts) if info.broadcast}
     for a, z in zip(starts, np.r_[starts[1:], len(h)]):
-        shares[int(hp[a])] = np.stack([so[a:z], st[a:z]], axis=1)
+        shares[int(hp[a])] = np.stack([so[a:z], st[a:z]], axis=1).astype(np.uint64)
     by_id = np.argsort(h, kind="stable")
     dense = DenseMap(_to_array(h[by_id]), _to_array(local[by_id]),
                      frozenset(int(p) for p in hp[starts]))
-    del h, hp, order, st, so, excl, group, local, by_id
+    del h, hp, order, st, so, pad, excl, group, local, by_id
     trim_heap()  # the sort and cumsum temporaries: ~50 MB of heap at 1.28M blobs otherwise kept
     return shares, dense
 

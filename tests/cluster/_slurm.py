@@ -16,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts" / "minicluster"))
 
-from minicluster import Cluster, install_packages, missing_tools  # noqa: E402
+from minicluster import Cluster, install_packages, missing_tools, sweep  # noqa: E402
 
 SLURM_DIR = REPO / "scripts" / "slurm"
 
@@ -47,14 +47,17 @@ def why_not() -> str | None:
 @contextlib.contextmanager
 def start_cluster(nodes: int = 3, **kw) -> Iterator[Cluster]:
     """A started cluster in a fresh directory under /var/tmp (not /tmp: every node has its own),
-    stopped and removed afterwards; fails if any process of it outlives the stop."""
+    stopped and removed afterwards; fails if any process of it outlives the stop. It belongs to
+    this process: should pytest be SIGKILLed, its watchdog stops it, and failing that the next
+    run's `sweep` (here, and in .ci/run) does."""
     why = why_not()
     if why:
         pytest.skip(why)
+    sweep("/var/tmp")
     root = tempfile.mkdtemp(prefix="slurm-mc-", dir="/var/tmp")
     c = Cluster(root, nodes)
     try:
-        c.start(**kw)
+        c.start(**kw, owner_pid=os.getpid(), watch=True)
         yield c
     finally:
         left = c.stop(purge=True)

@@ -1,0 +1,137 @@
+"""Each remote chunk of a sequential pass travels once with the disk cache on (the default on
+several ranks): READs in C (`_shim_remote_read.c`'s chunk cache) and Python's read-ahead
+(`Node.read`, `CRemoteSource`) used to fetch the same chunks, once each. Real `mpiexec` ranks
+and mounts (the CLI's `--ranks 2`), every byte compared with the source; the second pass reads
+the chunks from the disk cache, fetching nothing."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+from _harness import C_REMOTE_MARKS, prep_cli, status_ranks
+
+from fanstore_fuse._format import MANIFEST_NAME
+from fanstore_fuse._manifest import read_manifest
+from fanstore_fuse._namespace import Namespace
+from fanstore_fuse._ring import Placement
+
+KiB, MiB = 1 << 10, 1 << 20
+SLOTS = 8  # _shim_remote_read.c: chunks READs in C keep in memory
+
+pytestmark = C_REMOTE_MARKS
+
+
+def _tree(root: Path) -> tuple[Path, bytes]:
+    """One 96 MiB file of 4 MiB chunks: random and text pieces in turns (raw and zstd frames in
+    every chunk), a tail that ends inside a chunk."""
+    rng = random.Random(9)
+    text = b"".join(b"line %08d, value %d\n" % (k, k % 83) for k in range(MiB // 24)).ljust(MiB, b"-")
+    data = b"".join(rng.randbytes(3 * MiB) + text for _ in range(24)) + b"tail" * 1000
+    src = root / "src"
+    src.mkdir()
+    (src / "big.bin").write_bytes(data)
+    return src, data
+
+
+def _remote(dest: Path) -> list[int]:
+    """big.bin's blobs that rank 0 does not hold (each fetched from rank 1)."""
+    man = read_manifest(dest / MANIFEST_NAME)
+    ns = Namespace(man)
+    pl = Placement(2, 1)
+    return [int(b) for b in ns.blobs(ns.resolve(b"/big.bin")) if not pl.holds(0, int(b))]
+
+
+def _buffered(path: str, data: bytes) -> None:
+    with open(path, "rb") as f:
+        assert f.read() == data
+
+
+def _odd_direct(path: str, data: bytes) -> None:
+    """In order, O_DIRECT READs of 1,000,000 bytes: every few READs straddles two chunks (those
+    go to Python, the rest to C)."""
+    step = 1_000_000
+    buf = mmap.mmap(-1, step)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        for off in range(0, len(data), step):
+            n = os.preadv(fd, [buf], off)
+            assert n == min(step, len(data) - off) and buf[:n] == data[off:off + n], off
+    finally:
+        os.close(fd)
+        buf.close()
+
+
+def _drop_pages(path: str) -> None:
+    """The file's pages out of the kernel's page cache: the next pass reaches the daemon."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("reader", ["buffered", "odd_direct"])
+def test_each_remote_chunk_travels_once_with_the_disk_cache_on(tmp_path, mount_factory, reader):
+    """A sequential pass over a 96 MiB file on rank 0 of a default 2-rank mount (disk cache on)
+    fetches each remote chunk at most once in all (C and Python together; before: about 1.5x,
+    docs/performance.md, ninth session), puts every one in the disk cache, and a second pass
+    reads them there without a fetch. Random 128 KiB reads afterwards get the source's bytes."""
+    src, data = _tree(tmp_path)
+    dest = prep_cli(src, tmp_path / "dest", "--chunk-mib", "4", "-p", "3")
+    remote = _remote(dest)
+    assert len(remote) > SLOTS + 2, remote  # some chunks leave the chunk cache
+    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=2,
+                      local=str(tmp_path / "local" / "{rank}"))
+    deadline = time.monotonic() + 30  # every rank's C thread joined, its owner table published
+    while not all(r["c_remote"]["ready"] and r["c_remote"]["reading"] for r in status_ranks(m.status())):
+        assert time.monotonic() < deadline, "the C remote threads never became ready"
+        time.sleep(0.05)
+    path = os.path.join(m.mountpoints[0], "big.bin")
+    read = _buffered if reader == "buffered" else _odd_direct
+
+    def rank0() -> dict:
+        return status_ranks(m.status())[0]
+
+    first = rank0()
+    assert "disk_cache" in first and first["c_remote"]["fetched"] == 0, first
+    read(path, data)
+    deadline = time.monotonic() + 30  # the disk cache's writer is asynchronous
+    while (one := rank0())["disk_cache"]["entries"] < len(remote):
+        assert time.monotonic() < deadline, one["disk_cache"]
+        time.sleep(0.1)
+    c, stats = one["c_remote"], one["stats"]
+    # Every fetch of a blob from rank 1 went through the C thread (no fallback to Python's
+    # transport), and there were no more of them than remote chunks.
+    assert c["corrupt"] == c["timeouts"] == c["c_read_fallbacks"] == 0, c
+    assert stats.get("c_remote_fallbacks", 0) == 0 and stats["errors"] == 0, stats
+    assert c["fetched"] <= len(remote), (c, stats, len(remote))
+    assert c["c_reads"] > 0 and c["cache_offers"] > 0, c  # READs in C, their chunks to the cache
+    assert one["disk_cache"]["entries"] == len(remote)
+
+    _drop_pages(path)
+    read(path, data)
+    second = rank0()
+    assert second["c_remote"]["fetched"] == c["fetched"], second["c_remote"]  # nothing fetched
+    # Read locally: from the disk cache, or from memory (C's last SLOTS chunks; a chunk that
+    # Python read for a READ across two chunks stays in its blob cache, read from the disk
+    # cache then, or copied from C's slot)
+    hits, copies = second["disk_cache"]["hits"], stats.get("c_chunk_copies", 0)
+    assert hits + copies >= len(remote) - SLOTS, (second["disk_cache"], copies)
+    if reader == "buffered":  # every READ in one chunk: the second pass's from the disk cache
+        assert hits - one["disk_cache"]["hits"] >= len(remote) - SLOTS, second["disk_cache"]
+
+    rng = random.Random(3)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for _ in range(60):
+            off = rng.randrange(len(data))
+            assert os.pread(fd, 128 * KiB, off) == data[off:off + 128 * KiB], off
+    finally:
+        os.close(fd)
+    assert rank0()["c_remote"]["fetched"] == c["fetched"]  # all local now (disk cache)

@@ -1,0 +1,151 @@
+"""Local copies streamed into the page cache once reads find them cold (`_shim_stream.c`): real
+mounts, the staged copies evicted for sure (`drop_page_cache`, checked with `mincore`), every
+file compared byte for byte; then the copies' residency and the counters in `status`
+(`fuse_shim`: `stream_runs`, `stream_refused`, `stream_windows`, `stream_bytes`)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+from _harness import C_REMOTE_MARKS, mounted, prep_cli, status_ranks
+from _pagecache import drop_page_cache, resident_pages
+
+from fanstore_fuse import _fastclose
+
+pytestmark = [
+    pytest.mark.mount,
+    pytest.mark.skipif(_fastclose._shim is None or not hasattr(_fastclose._shim, "stream_counts"),
+                       reason="the C shim is not built (no compiler or headers)"),
+]
+
+
+def _tree(src: Path, n: int = 300, seed: int = 3) -> dict[str, bytes]:
+    rng = random.Random(seed)
+    files = {f"d{i % 6}/f{i:03d}.bin": rng.randbytes(rng.randint(20_000, 60_000)) for i in range(n)}
+    for rel, body in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(body)
+    return files
+
+
+def _copies(local: Path) -> list[Path]:
+    parts = sorted(local.rglob("*.fsp"))
+    assert parts, f"no staged copies under {local}"
+    return parts
+
+
+def _pages(parts: list[Path]) -> tuple[int, int]:
+    """(resident, total) pages of the files."""
+    resident = total = 0
+    for p in parts:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            resident += resident_pages(fd)
+            total += (os.fstat(fd).st_size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        finally:
+            os.close(fd)
+    return resident, total
+
+
+def _read_all(root: Path, files: dict[str, bytes], seed: int) -> None:
+    names = sorted(files)
+    random.Random(seed).shuffle(names)
+    for rel in names:
+        with open(root / rel, "rb") as f:
+            assert f.read() == files[rel], rel
+
+
+def _shim(m, rank: int = 0) -> dict[str, int]:
+    return status_ranks(m.status())[rank]["fuse_shim"]
+
+
+def _wait_streamed(m, parts: list[Path], runs: int, rank: int = 0) -> dict[str, int]:
+    """Wait until `runs` streams have run and every page of the copies is resident."""
+    deadline = time.monotonic() + 30
+    while True:
+        c = _shim(m, rank)
+        resident, total = _pages(parts)
+        if c["stream_runs"] >= runs and resident == total:
+            return c
+        assert time.monotonic() < deadline, (c, resident, total)
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(180)
+def test_cold_reads_stream_the_local_copy_into_the_page_cache(tmp_path, state_dir):
+    """Reads that find the evicted copy cold start one stream, which reads the whole copy in;
+    evicted again, the copy is streamed again. Every file byte for byte, both times."""
+    files = _tree(tmp_path / "src")
+    dest = prep_cli(tmp_path / "src", tmp_path / "dest")
+    local = tmp_path / "local"
+    with mounted(dest, tmp_path / "mnt", state_dir, local=local) as m:
+        parts = _copies(local)
+        for k in (1, 2):
+            drop_page_cache(parts)
+            assert _pages(parts)[0] == 0
+            os.system("echo 1 > /proc/sys/vm/drop_caches")  # the mount's own cached pages too
+            _read_all(m.path, files, seed=k)
+            c = _wait_streamed(m, parts, runs=k)
+            assert c["stream_runs"] == k and c["stream_refused"] == 0, c
+            assert c["stream_windows"] >= k and c["stream_bytes"] > 0, c
+            assert c["c_read_fallbacks"] == 0, c
+        _read_all(m.path, files, seed=3)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("knob", ["0", "0.000000001"])
+def test_streaming_off_or_over_budget_reads_only_what_is_asked(tmp_path, state_dir, knob):
+    """FANSTORE_STREAM_IN=0 streams nothing; a budget smaller than the copy refuses the stream
+    (`stream_refused`): the reads alone bring pages in, never the whole copy."""
+    files = _tree(tmp_path / "src", n=200, seed=5)
+    dest = prep_cli(tmp_path / "src", tmp_path / "dest")
+    local = tmp_path / "local"
+    with mounted(dest, tmp_path / "mnt", state_dir, local=local,
+                 env={"FANSTORE_STREAM_IN": knob}) as m:
+        parts = _copies(local)
+        drop_page_cache(parts)
+        os.system("echo 1 > /proc/sys/vm/drop_caches")
+        names = sorted(files)[:60]  # a part of the files: most of the copy is never asked for
+        _read_all(m.path, {n: files[n] for n in names}, seed=1)
+        time.sleep(1.0)
+        c = _shim(m)
+        assert c["stream_runs"] == 0 and c["stream_bytes"] == 0, c
+        assert (c["stream_refused"] >= 1) == (knob != "0"), c
+        resident, total = _pages(parts)
+        assert resident < total // 2, (resident, total)
+
+
+def _remote_marks(test):
+    for mark in C_REMOTE_MARKS:
+        test = mark(test)
+    return test
+
+
+@pytest.mark.timeout(240)
+@_remote_marks
+def test_a_serving_rank_streams_its_copy_when_peers_find_it_cold(tmp_path, state_dir):
+    """Rank 0's reads of the blobs only rank 1 holds find rank 1's copy cold: rank 1 streams
+    it (its `stream_runs`), and every file still reads back byte for byte."""
+    files = _tree(tmp_path / "src", n=300, seed=7)
+    dest = prep_cli(tmp_path / "src", tmp_path / "dest", "-p", "4")
+    local = tmp_path / "local"
+    with mounted(dest, str(tmp_path / "mnt" / "{rank}"), state_dir, ranks=2,
+                 local=str(local / "{rank}"), env={"FANSTORE_CACHE_SIZE": "0"}) as m:
+        deadline = time.monotonic() + 30
+        while not all(r["c_remote"]["ready"] for r in status_ranks(m.status())):
+            assert time.monotonic() < deadline, "the C remote threads never became ready"
+            time.sleep(0.05)
+        parts = _copies(local / "1")
+        drop_page_cache(parts)
+        os.system("echo 1 > /proc/sys/vm/drop_caches")
+        _read_all(Path(m.mountpoints[0]), files, seed=2)
+        c = _wait_streamed(m, parts, runs=1, rank=1)
+        assert c["stream_bytes"] > 0 and c["stream_refused"] == 0, c
+        served = status_ranks(m.status())[1]["c_remote"]
+        assert served["served"] > 0 and served["error_replies"] == 0, served
+        _read_all(Path(m.mountpoints[0]), files, seed=4)
