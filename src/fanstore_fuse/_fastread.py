@@ -129,7 +129,8 @@ FRAME_COUNTS = ("c_frame_hits", "c_frame_misses", "c_frame_evictions", "c_frame_
                 "c_frame_entries", "c_frame_budget", "c_frame_pushes", "c_frame_push_bytes",
                 "c_frame_push_fails", "c_frame_push_drops")
 
-STREAM_COUNTS = ("stream_runs", "stream_refused", "stream_windows", "stream_bytes", "stream_ns")
+STREAM_COUNTS = ("stream_runs", "stream_refused", "stream_windows", "stream_bytes", "stream_ns",
+                 "stream_cold")
 
 
 def counts() -> dict[str, int]:
@@ -139,7 +140,8 @@ def counts() -> dict[str, int]:
     entries kept; budget; frames pushed to the page cache, their bytes, pushes the kernel
     refused, pushes dropped with the queue full); the streaming of local copies into the page
     cache (_shim_stream.c): `stream_runs`, `stream_refused` (too large for MemAvailable),
-    `stream_windows` and `stream_bytes` read in, `stream_ns` spent streaming."""
+    `stream_windows` and `stream_bytes` read in, `stream_ns` spent streaming, `stream_cold`
+    (blobs reads found cold: 16 since the last stream start one)."""
     shim = _fastclose._shim
     if shim is None or not hasattr(shim, "read_counts"):
         return {}

@@ -56,7 +56,7 @@ static double fraction = 0.5;
 static uint32_t first_part;
 static int64_t quiet_until; /* no cold read looks before this (INT64_MAX: streaming, or off) */
 static unsigned cold_seen;
-static unsigned long long runs, refused, windows, bytes_read, stream_ns;
+static unsigned long long runs, refused, windows, bytes_read, stream_ns, cold_total;
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -184,6 +184,7 @@ static void read_knob(void) {
 
 void fanstore_stream_cold(uint32_t part) {
     /* on every cold read: no lock while a stream runs, within the gap, or when off */
+    __atomic_add_fetch(&cold_total, 1, __ATOMIC_RELAXED);
     if (__atomic_add_fetch(&cold_seen, 1, __ATOMIC_RELAXED) < STREAM_TRIGGER ||
         now_ns() < __atomic_load_n(&quiet_until, __ATOMIC_RELAXED))
         return;
@@ -229,9 +230,10 @@ void fanstore_stream_stop(void) {
 PyObject *fanstore_py_stream_counts(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
-    return Py_BuildValue("(KKKKK)", __atomic_load_n(&runs, __ATOMIC_RELAXED),
+    return Py_BuildValue("(KKKKKK)", __atomic_load_n(&runs, __ATOMIC_RELAXED),
                          __atomic_load_n(&refused, __ATOMIC_RELAXED),
                          __atomic_load_n(&windows, __ATOMIC_RELAXED),
                          __atomic_load_n(&bytes_read, __ATOMIC_RELAXED),
-                         __atomic_load_n(&stream_ns, __ATOMIC_RELAXED));
+                         __atomic_load_n(&stream_ns, __ATOMIC_RELAXED),
+                         __atomic_load_n(&cold_total, __ATOMIC_RELAXED));
 }
