@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ._fanstore import cli_command
 from ._util import REPO, drop_caches, rm_rf, run_cmd
-from .cost import Fan, cpu_seconds
+from .cost import Fan, cpu_since, cpu_snapshot
 
 LARGE_MIB = 256
 
@@ -176,7 +176,7 @@ def cold_then_warm(fan: Fan, rel: str, chunks: list[int], rounds: int) -> tuple[
     path = os.path.join(fan.mps[0], rel)
     drop_caches()
     pids = fan.pids()
-    c0 = cpu_seconds(pids)
+    c0 = cpu_snapshot(pids)
     cold = read_chunks(path, chunks)
-    cpu = (cpu_seconds(pids) - c0) / (len(chunks) * 4 << 20) * 1e12
+    cpu = cpu_since(c0) / (len(chunks) * 4 << 20) * 1e12
     return cold, cpu, [read_chunks(path, chunks) for _ in range(rounds)]

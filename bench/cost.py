@@ -1,11 +1,12 @@
 """CPU cost and latency of a file read: ``python -m bench.cost [--files N] [--json PATH]``.
 
-Figures a loaded 2-core machine does not distort (issue 11): the daemons' CPU time (user+sys
-from /proc/PID/stat, every process of the mount) per file read, for local reads (1 rank) and
-remote reads (2 ranks, rank 0 reading only files whose blobs rank 1 holds, client and server
-daemons together); single-reader latency p50/p99 per file; the default (writable) mount beside
-``--read-only`` on warm reads; squashfuse and squashfuse_ll as anchors. The CPU costs then
-feed the scale model (bench/scale_model.py) for 1..512 nodes at 550 and 20,000 files/s/node.
+Figures a loaded 2-core machine does not distort (issue 11): the daemons' CPU time (every
+thread's schedstat: exact, where /proc/PID/stat's ticks are 10 ms; every process of the mount)
+per file read, for local reads (1 rank) and remote reads (2 ranks, rank 0 reading only files
+whose blobs rank 1 holds, client and server daemons together); single-reader latency p50/p99 per
+file; the default (writable) mount beside ``--read-only`` on warm reads; squashfuse and
+squashfuse_ll as anchors. The CPU costs then feed the scale model (bench/scale_model.py) for
+1..512 nodes at 550 and 20,000 files/s/node.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pids: list[int]) -> float:
-    """user+sys seconds of these processes (fields 14 and 15 of /proc/PID/stat)."""
+    """user+sys seconds of these processes (fields 14 and 15 of /proc/PID/stat): whole clock
+    ticks (10 ms), so a difference over a pass is coarse; `cpu_snapshot` is exact."""
     total = 0
     for pid in pids:
         try:
@@ -51,6 +53,50 @@ def cpu_seconds(pids: list[int]) -> float:
             continue
         total += int(fields[11]) + int(fields[12])
     return total / TICK
+
+
+def _thread_ns(pid: int) -> dict[int, int]:
+    """tid -> nanoseconds on a CPU (the first field of /proc/PID/task/TID/schedstat)."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+CpuSnapshot = dict[int, tuple[float, dict[int, int]]]
+
+
+def cpu_snapshot(pids: list[int]) -> CpuSnapshot:
+    """Each process's CPU time now: ticks (cpu_seconds) and every thread's exact schedstat."""
+    return {pid: (cpu_seconds([pid]), _thread_ns(pid)) for pid in pids}
+
+
+def cpu_since_by_pid(before: CpuSnapshot) -> dict[int, float]:
+    """CPU seconds each process used since `before`: the sum of its threads' schedstat
+    differences (threads started since count from 0), exact where ticks are 10 ms; a process
+    one of whose threads ended meanwhile (its time is then only in the process's ticks) falls
+    back to the ticks."""
+    out = {}
+    for pid, (ticks0, ns0) in before.items():
+        ns1 = _thread_ns(pid)
+        if ns1 and all(tid in ns1 for tid in ns0):
+            out[pid] = sum(ns - ns0.get(tid, 0) for tid, ns in ns1.items()) / 1e9
+        else:
+            out[pid] = max(0.0, cpu_seconds([pid]) - ticks0)
+    return out
+
+
+def cpu_since(before: CpuSnapshot) -> float:
+    """CPU seconds all the processes of `before` used since (cpu_since_by_pid)."""
+    return sum(cpu_since_by_pid(before).values())
 
 
 def disk_read_bytes(pid: int) -> int:
@@ -179,10 +225,10 @@ def measure_fan(fan: Fan, root: str, rels: list[str], cold: bool) -> dict:
         drop_caches()
     pids = fan.pids()
     daemons = daemon_pids(fan.marker)
-    before = {p: cpu_seconds([p]) for p in pids}
+    before = cpu_snapshot(pids)
     disk = {p: disk_read_bytes(p) for p in daemons}
     times = read_files(root, rels)
-    used = {p: cpu_seconds([p]) - c for p, c in before.items()}
+    used = cpu_since_by_pid(before)
     res = summary(times, sum(used.values()))
     # per daemon (in rank order) and the rest (mpiexec, hydra proxy)
     res["cpu_us_per_file_by_daemon"] = [used[p] / len(rels) * 1e6 for p in daemons if p in used]
@@ -221,11 +267,11 @@ def squash(work: Path, src: Path, rels: list[str]) -> dict:
         try:
             wait_mounted(mp, 60, proc)
             drop_caches()
-            c0 = cpu_seconds([proc.pid])
-            cold = summary(read_files(str(mp), rels), cpu_seconds([proc.pid]) - c0)
+            c0 = cpu_snapshot([proc.pid])
+            cold = summary(read_files(str(mp), rels), cpu_since(c0))
             read_files(str(mp), rels)
-            c0 = cpu_seconds([proc.pid])
-            warm = summary(read_files(str(mp), rels), cpu_seconds([proc.pid]) - c0)
+            c0 = cpu_snapshot([proc.pid])
+            warm = summary(read_files(str(mp), rels), cpu_since(c0))
             out[exe] = {"cold": cold, "warm": warm}
         finally:
             teardown(m)

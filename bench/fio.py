@@ -36,7 +36,7 @@ from ._util import (
     pids_with_arg,
     teardown_all,
 )
-from .cost import cpu_seconds
+from .cost import cpu_since, cpu_snapshot
 
 MiB = 1 << 20
 # Files larger than the daemon's default blob cache (256 MiB), as in issue 11.
@@ -138,11 +138,11 @@ def measure(systems: list[System], size: int, runtime: int, files: list[str]) ->
                     s.mount()  # a fresh FUSE daemon: its caches are cold too
                     drop_caches()
                     pids = pids_with_arg(s.root) if s.is_fuse else []  # before fio names it
-                    c0, t0 = cpu_seconds(pids), time.perf_counter()
+                    c0, t0 = cpu_snapshot(pids), time.perf_counter()
                     r = run_fio(os.path.join(s.root, FILES[fk]), job, size, runtime)
                     r["wall_s"] = time.perf_counter() - t0
                     if pids and r.get("ios"):
-                        r["cpu_us_per_io"] = (cpu_seconds(pids) - c0) / r["ios"] * 1e6
+                        r["cpu_us_per_io"] = cpu_since(c0) / r["ios"] * 1e6
                 except Exception as e:  # noqa: BLE001 - one failed job must not end the run
                     r = {"error": f"{type(e).__name__}: {str(e)[-300:]}"}
                 finally:

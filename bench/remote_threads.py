@@ -27,8 +27,9 @@ from .cost import Fan, prep_tree, read_files, remote_to_rank0, summary
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def threads(pid: int) -> dict[int, tuple[str, int, int, int]]:
-    """tid -> (name, user ticks, system ticks, context switches) of one process."""
+def threads(pid: int) -> dict[int, tuple[str, int, int, int, int, int]]:
+    """tid -> (name, user ticks, system ticks, context switches, ns on a CPU (schedstat: exact,
+    where ticks are 10 ms), minor page faults) of one process."""
     out = {}
     for t in os.listdir(f"/proc/{pid}/task"):
         base = f"/proc/{pid}/task/{t}"
@@ -39,9 +40,11 @@ def threads(pid: int) -> dict[int, tuple[str, int, int, int]]:
                 fields = f.read().rsplit(")", 1)[1].split()
             with open(f"{base}/status") as f:
                 switches = sum(int(line.split()[1]) for line in f if "ctxt_switches" in line)
+            with open(f"{base}/schedstat") as f:
+                run_ns = int(f.read().split()[0])
         except OSError:
             continue
-        out[int(t)] = (name, int(fields[11]), int(fields[12]), switches)
+        out[int(t)] = (name, int(fields[11]), int(fields[12]), switches, run_ns, int(fields[7]))
     return out
 
 
@@ -65,17 +68,19 @@ def one_pass(fan: Fan, rels: list[str]) -> dict:
     n = len(rels)
     rows: list[dict[str, Any]] = []
     for rank, pid in enumerate(pids):
-        for tid, (name, u, sy, cs) in t1[pid].items():
-            _, u0, s0, cs0 = t0[pid].get(tid, (name, 0, 0, 0))
+        for tid, (name, u, sy, cs, ns, flt) in t1[pid].items():
+            _, u0, s0, cs0, ns0, flt0 = t0[pid].get(tid, (name, 0, 0, 0, 0, 0))
             row: dict[str, Any] = {"rank": rank, "tid": tid, "thread": name,
                                    "user_us": (u - u0) / TICK / n * 1e6,
-                                   "sys_us": (sy - s0) / TICK / n * 1e6, "switches": (cs - cs0) / n}
-            if row["user_us"] + row["sys_us"] > 0 or row["switches"] > 0.05:
+                                   "sys_us": (sy - s0) / TICK / n * 1e6, "switches": (cs - cs0) / n,
+                                   "run_us": (ns - ns0) / 1e3 / n, "faults": (flt - flt0) / n}
+            if row["run_us"] > 0.5 or row["switches"] > 0.05:
                 rows.append(row)
     per_file = [{k: round((v - a.get(k, 0)) / n, 2) for k, v in b.items()
                  if isinstance(v, int) and v != a.get(k, 0)} for a, b in zip(c0, c1, strict=False)]
     return {"p50_us": s["p50_us"], "files_per_s": s["files_per_s"], "load": os.getloadavg()[0],
-            "cpu_us_per_file": sum(r["user_us"] + r["sys_us"] for r in rows), "threads": rows,
+            "cpu_us_per_file": sum(r["user_us"] + r["sys_us"] for r in rows),
+            "run_us_per_file": sum(r["run_us"] for r in rows), "threads": rows,
             "counters_per_file": per_file}
 
 
@@ -101,19 +106,22 @@ def main(argv: list[str] | None = None) -> int:
             for env, fan, runs in zip(envs, fans, out, strict=True):
                 res = one_pass(fan, remote)
                 runs.append(res)
-                print(f"{env or 'default'} pass {r}: {res['cpu_us_per_file']:.0f} us/file, p50 "
-                      f"{res['p50_us']:.0f} us, load {res['load']:.1f}")
+                print(f"{env or 'default'} pass {r}: {res['run_us_per_file']:.1f} us/file on a CPU "
+                      f"({res['cpu_us_per_file']:.0f} in ticks), p50 {res['p50_us']:.0f} us, load "
+                      f"{res['load']:.1f}")
                 for t in res["threads"]:
-                    print(f"  rank {t['rank']} {t['thread']:12} user {t['user_us']:5.0f} sys "
-                          f"{t['sys_us']:5.0f} switches {t['switches']:5.2f}")
+                    print(f"  rank {t['rank']} {t['thread']:12} run {t['run_us']:6.1f} us (user "
+                          f"{t['user_us']:4.0f} sys {t['sys_us']:4.0f}) switches "
+                          f"{t['switches']:5.2f} faults {t['faults']:5.1f}")
                 for rank, c in enumerate(res["counters_per_file"]):
                     print(f"  rank {rank} counters per file: {c}")
                 sys.stdout.flush()
     finally:
         teardown_all()
     for env, runs in zip(envs, out, strict=True):
-        cpu = sorted(round(r["cpu_us_per_file"]) for r in runs)
-        print(f"{env or 'default'}: CPU us/file per pass {cpu}, median {cpu[len(cpu) // 2]}")
+        cpu = sorted(round(r["run_us_per_file"], 1) for r in runs)
+        print(f"{env or 'default'}: CPU us/file per pass (schedstat) {cpu}, median "
+              f"{cpu[len(cpu) // 2]}")
     if args.json:
         Path(args.json).write_text(json.dumps({"envs": envs, "runs": out}, indent=1))
     return 0

@@ -30,7 +30,7 @@ from pathlib import Path
 from . import _util
 from ._util import REPO, Mount, log, register, run_cmd, teardown, teardown_all, wait_mounted
 from ._workload import read_rate
-from .cost import Fan, cpu_seconds, prep_tree
+from .cost import Fan, cpu_since, cpu_snapshot, prep_tree
 
 ANCHORS = {"squashfuse_ll": 1.0, "ratarmount": 3.0}  # the bar: fanstore-fuse >= this many times
 CASES = [(readers, cold) for readers in (1, 4) for cold in (True, False)]
@@ -43,9 +43,9 @@ def _label(readers: int, cold: bool) -> str:
 def _pass(root: str, files: list[tuple[str, int]], pids: Callable[[], list[int]],
           readers: int, cold: bool) -> dict:
     ps = pids()
-    c0 = cpu_seconds(ps)
+    c0 = cpu_snapshot(ps)
     r = read_rate(root, files, readers, cold, seed=readers)
-    r["cpu_us_per_file"] = (cpu_seconds(ps) - c0) / max(r.get("files", 0), 1) * 1e6
+    r["cpu_us_per_file"] = cpu_since(c0) / max(r.get("files", 0), 1) * 1e6
     return r
 
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from ._util import REPO, pids_with_arg, wait_mounted
-from .cost import cpu_seconds, prep_tree
+from .cost import cpu_since, cpu_snapshot, prep_tree
 
 WORK = Path(os.environ.get("WARMLOOP_WORK", "/tmp/cwarm-s"))
 OC = os.environ.get("OC") == "1"
@@ -81,18 +81,18 @@ def _loop(files: list[str], secs: float, readers: int, prof: list[str], pid: int
         p.start()
     barrier.wait()
     pp = subprocess.Popen([a.replace("{pid}", str(pid)) for a in prof]) if prof else None
-    c0 = cpu_seconds([pid])
+    c0 = cpu_snapshot([pid])
     t0 = time.monotonic()
     got = [q.get() for _ in procs]
     dt = time.monotonic() - t0
-    c1 = cpu_seconds([pid])
+    used = cpu_since(c0)
     for p in procs:
         p.join()
     if pp is not None:
         pp.send_signal(2)
         pp.wait()
     n = max(sum(g[0] for g in got), 1)
-    return {"files": n, "files_per_s": n / dt, "daemon_us": (c1 - c0) / n * 1e6,
+    return {"files": n, "files_per_s": n / dt, "daemon_us": used / n * 1e6,
             "reader_us": sum(g[1] for g in got) / n * 1e6, "vcsw": sum(g[2] for g in got) / n}
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from . import _datasets
 from ._fanstore import cli_command
 from ._util import dir_bytes, drop_caches, log, teardown_all
-from .cost import Fan, cpu_seconds
+from .cost import Fan, cpu_since, cpu_snapshot
 
 
 def _read_all(root: Path) -> tuple[int, float]:
@@ -76,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
                         if temp == "cold":
                             drop_caches()
                         pids = fan.pids()
-                        c0 = cpu_seconds(pids)
+                        c0 = cpu_snapshot(pids)
                         n, dt = _read_all(Path(fan.mps[0]))
                         out[mode][temp].append(n / dt)
-                        out[mode][f"{temp}_cpu"].append((cpu_seconds(pids) - c0) / n * 1e6)
+                        out[mode][f"{temp}_cpu"].append(cpu_since(c0) / n * 1e6)
                 finally:
                     fan.close()
     finally:
