@@ -378,7 +378,7 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
     return Py_BuildValue(
-        "{sisisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "reading", fanstore_remote_reading(), "bells",
+        "{sisisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "reading", fanstore_remote_reading(), "bells",
         fsr_state.gathered == 1, "polls", fsr_stats.polls, "bell_wakes", fsr_stats.bell_wakes, "served", fsr_stats.served,
         "served_io", fsr_stats.served_io, "served_bytes", fsr_stats.served_bytes, "bad_requests", fsr_stats.bad_requests,
         "error_replies", fsr_stats.error_replies, "fetched", fsr_stats.fetched, "fetched_bytes", fsr_stats.fetched_bytes,
@@ -389,5 +389,6 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
         fsr_stats.cache_offers, "c_range_reads", fsr_stats.c_range_reads, "c_chunk_hits",
         fsr_stats.c_chunk_hits, "c_fetch_ahead", fsr_stats.c_fetch_ahead, "send_waits", fsr_stats.send_waits,
         "worker_sends", fsr_stats.worker_sends, "served_mapped", fsr_stats.served_mapped,
-        "py_in_place", fsr_stats.py_in_place, "local_rings", fsr_stats.local_rings, "map_zaps", fsr_stats.map_zaps);
+        "py_in_place", fsr_stats.py_in_place, "local_rings", fsr_stats.local_rings, "map_zaps", fsr_stats.map_zaps,
+        "probe_again", fsr_stats.probe_again, "probe_found", fsr_stats.probe_found);
 }

@@ -110,7 +110,7 @@ struct fsr_stats {
         error_replies, fetched, fetched_bytes, corrupt, timeouts, peer_errors, send_errors,
         verified_by_worker, open_calls, peak_calls, c_reads, c_read_bytes, c_read_fallbacks,
         cache_offers, c_range_reads, c_chunk_hits, c_fetch_ahead, send_waits, worker_sends,
-        served_mapped, py_in_place, local_rings, map_zaps;
+        served_mapped, py_in_place, local_rings, map_zaps, probe_again, probe_found;
 };
 extern struct fsr_stats fsr_stats;
 
