@@ -96,6 +96,8 @@ def test_concurrency_soak_three_ranks(tmp_path: Path, mount_factory):
     print(f"soak: 16 readers, {elapsed:.1f} s, {files} files, {nbytes} bytes verified, "
           f"{nerr} errors, {files / elapsed:.0f} files/s")
     assert len(results) == 16
+    if nerr:
+        print("daemon log tail:\n" + m.log_text()[-6000:])
     assert nerr == 0, samples
     assert files > 1000 and all(r[0] > 0 for r in results)
     m.umount()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import functools
 import logging
 import os
@@ -383,6 +384,7 @@ def _stageout_requests(key: str, others: list[int], hosts: list[str], transport:
 
 
 def setup_logging(debug: bool = False) -> None:
+    faulthandler.enable()  # a crash in C code logs every thread's Python stack before dying
     logging.basicConfig(
         level=logging.DEBUG if debug else logging.INFO,
         format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s",

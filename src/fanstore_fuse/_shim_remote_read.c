@@ -392,7 +392,8 @@ static void remote_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, 
                         ? fanstore_remote_fetch_range(p->owner, p->blob, p->lo, p->hi, timeout, range_done, p)
                         : fanstore_remote_fetch_kept(p->owner, p->blob, 0, fanstore_blobs.raw[p->blob], timeout,
                                                      read_done, p)) == 0) {
-            if (fanstore_blobs.raw[p->blob] > WHOLE_MAX) { /* RANGE: where this file's READ ended */
+            /* p may be answered and freed by the remote thread by now: only the copy r is read */
+            if (fanstore_blobs.raw[r.blob] > WHOLE_MAX) { /* RANGE: where this file's READ ended */
                 pthread_mutex_lock(&slot_lock);
                 seq[ino % SEQ_SLOTS].ino = ino;
                 seq[ino % SEQ_SLOTS].end = r.off + (r.hi - r.lo);
