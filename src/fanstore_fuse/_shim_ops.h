@@ -16,6 +16,9 @@ void fanstore_patch_read(struct fuse_lowlevel_ops *ops);    /* _shim_read.c */
 /* _shim_read.c: whether a READ (inode, the fuse_read_in body of `left` bytes) is answered in C
  * (_shim_open.c's request loop then keeps going without trio). */
 int fanstore_read_answered(uint64_t ino, const void *body, size_t left);
+/* _shim_read.c: whether READ is patched to its C handler and started (a READ that a C thread
+ * cannot answer in C then goes to Python on that thread, never to pyfuse3's handler). */
+int fanstore_read_in_c_started(void);
 
 /* _shim_open.c: whether a request is answered in C (READ only `on_trio`, the pyfuse3 thread). */
 int fanstore_answered(const struct fuse_buf *buf, int len, int on_trio);
@@ -29,6 +32,16 @@ int fanstore_threads_pop(struct fuse_buf *buf);       /* the next queued request
 int fanstore_threads_queued(void);                    /* whether a request is queued */
 int fanstore_threads_dev_waiting(void);                /* whether /dev/fuse holds a request not read yet */
 void fanstore_threads_destroy(struct fuse_session *se); /* threads stopped, before libfuse's */
+/* A C thread about to call MPI (1) and back (0): _shim_threads.c's header comment. */
+void fanstore_threads_mpi(int inside);
+/* Whether this thread may call MPI for a READ: a C thread, room for a spare, and no thread
+ * inside MPI for FANSTORE_STUCK_NS or more. */
+int fanstore_threads_direct_ok(void);
+#define FANSTORE_STUCK_NS 50000000LL /* as _shim_remote_int.h's STUCK_NS */
+/* One more thread started for each one inside MPI for long (the remote reaper, every 200 ms):
+ * how many were started now; fanstore_threads_spares: how many in all. */
+int fanstore_threads_unstick(void);
+unsigned long long fanstore_threads_spares(void);
 
 #ifdef Py_PYTHON_H /* the module's functions defined next to their patch */
 /* Reply to `req` with what a Python fallback returned (bytes, or a positive errno; EIO for

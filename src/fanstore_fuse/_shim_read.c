@@ -325,6 +325,10 @@ static void read_in_c(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
         py_read(req, ino, size, off, fi);
 }
 
+int fanstore_read_in_c_started(void) {
+    return py_read != NULL && __atomic_load_n(&started, __ATOMIC_ACQUIRE) && fallback != NULL;
+}
+
 void fanstore_patch_read(struct fuse_lowlevel_ops *ops) {
     session_fd = (int (*)(struct fuse_session *))fanstore_libfuse_symbol("fuse_session_fd");
     reply_buf = (reply_buf_t)fanstore_libfuse_symbol("fuse_reply_buf");

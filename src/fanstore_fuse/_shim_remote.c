@@ -9,6 +9,7 @@
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 
+#include "_shim_ops.h"
 #include "_shim_remote_int.h"
 
 struct fsr_state fsr_state = {.lock = PTHREAD_MUTEX_INITIALIZER, .job_cond = PTHREAD_COND_INITIALIZER,
@@ -16,6 +17,7 @@ struct fsr_state fsr_state = {.lock = PTHREAD_MUTEX_INITIALIZER, .job_cond = PTH
 struct fsr_stats fsr_stats;
 
 void fsr_push_job(struct job *j) {
+    j->queued = fsr_now();
     pthread_mutex_lock(&fsr_state.lock);
     struct job **p = &fsr_state.jobs;
     while (*p)
@@ -184,11 +186,13 @@ void *fsr_worker(void *unused) {
             int again, tag;
             char *reply = fsr_serve(&j->h, 0, &n, &again, &tag);
             COUNT(served_io);
+            /* fsr_send frees a reply MPI refused (the peer times out): it is never queued then */
             if (reply != NULL && fsr_direct && fsr_mpi_fresh())
                 fsr_send(j->source, tag, reply, n, 2e-3); /* no hop to the remote thread */
-            else if (reply != NULL && fsr_worker_sends(n) && fsr_send(j->source, tag, reply, n, 0) == 0)
-                COUNT(worker_sends); /* eager: complete at once */
-            else if (reply != NULL)
+            else if (reply != NULL && fsr_worker_sends(n)) {
+                if (fsr_send(j->source, tag, reply, n, 0) == 0)
+                    COUNT(worker_sends); /* eager: complete at once */
+            } else if (reply != NULL)
                 fsr_queue_out(j->source, tag, reply, n);
         }
         free(j);
@@ -201,6 +205,29 @@ void *fsr_worker(void *unused) {
 static pthread_t reaper;
 static pthread_cond_t reap_cond = PTHREAD_COND_INITIALIZER;
 #define REAP_NS 200000000
+
+/* Replies to verify that waited REAP_NS or more in the queue, verified here: an answered
+ * call has left `inflight`, so no deadline covers it, and both workers may be inside MPI
+ * (their own sends; a dead peer's netmod holds MPICH's lock). Each job is taken out of the
+ * queue under the lock, so it is verified once. */
+static void verify_left(double t) {
+    for (;;) {
+        pthread_mutex_lock(&fsr_state.lock);
+        struct job **p = &fsr_state.jobs, *j = NULL;
+        for (; *p != NULL; p = &(*p)->next)
+            if ((*p)->call != NULL && t - (*p)->queued >= REAP_NS * 1e-9) {
+                j = *p;
+                *p = j->next;
+                break;
+            }
+        pthread_mutex_unlock(&fsr_state.lock);
+        if (j == NULL)
+            return;
+        COUNT(verified_by_reaper);
+        fsr_verify(j->call, j->buf, j->n);
+        free(j);
+    }
+}
 
 static void *fsr_reaper(void *unused) {
     (void)unused;
@@ -218,6 +245,8 @@ static void *fsr_reaper(void *unused) {
             break;
         pthread_mutex_unlock(&fsr_state.lock);
         fsr_reap(fsr_now(), 0);
+        fanstore_threads_unstick(); /* a FUSE thread stuck in a direct send: another reads */
+        verify_left(fsr_now());
         pthread_mutex_lock(&fsr_state.lock);
     }
     pthread_mutex_unlock(&fsr_state.lock);
@@ -236,16 +265,24 @@ int fsr_add_call(const struct call *proto, double timeout) {
     if (!fanstore_remote_ready() || proto->owner < 0 || proto->owner >= fsr_state.size ||
         proto->owner == fsr_state.rank || proto->blob >= fanstore_blobs.n)
         return -EAGAIN;
-    int direct = fsr_direct && fsr_mpi_fresh();
+    /* direct: only a C FUSE thread, which another takes over if it stays inside MPI */
+    int direct = fsr_direct && fanstore_threads_direct_ok() && fsr_mpi_fresh();
     struct call *c = malloc(sizeof(*c));
     struct fsr_header *h = direct ? malloc(sizeof(*h)) : NULL;
     if (c == NULL || (direct && h == NULL)) {
         free(c);
+        free(h);
         return -EAGAIN;
     }
     *c = *proto;
     c->posted = direct;
     pthread_mutex_lock(&fsr_state.lock);
+    if (fsr_state.stopping) { /* remote_stop sets it under the lock: nobody would finish it */
+        pthread_mutex_unlock(&fsr_state.lock);
+        free(c);
+        free(h);
+        return -EAGAIN;
+    }
     uint64_t id = ++fsr_state.next_id;
     c->next = fsr_state.inflight;
     c->id = id;
@@ -259,7 +296,10 @@ int fsr_add_call(const struct call *proto, double timeout) {
         fsr_poke(fsr_state.wake_fd); /* the remote thread sends the request */
         return 0;
     }
+    COUNT(direct_sends);
+    fanstore_threads_mpi(1);
     fsr_send_request(proto, id, h);
+    fanstore_threads_mpi(0);
     return 0;
 }
 
@@ -364,6 +404,19 @@ PyObject *fanstore_py_remote_stop(PyObject *self, PyObject *unused) {
         Py_RETURN_NONE; /* its descriptors stay open: it may still use them */
     }
     fsr_state.running = fsr_state.ready = 0;
+    pthread_mutex_lock(&fsr_state.lock); /* jobs pushed after the workers ended */
+    struct job *left = fsr_state.jobs;
+    fsr_state.jobs = NULL;
+    pthread_mutex_unlock(&fsr_state.lock);
+    while (left != NULL) {
+        struct job *j = left;
+        left = j->next;
+        if (j->call != NULL) {
+            free(j->buf);
+            fsr_finish(j->call, -ECANCELED);
+        }
+        free(j);
+    }
     close(fsr_state.bell_fd);
     fsr_bells_close();
     close(fsr_state.wake_fd);
@@ -378,7 +431,7 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
     return Py_BuildValue(
-        "{sisisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "reading", fanstore_remote_reading(), "bells",
+        "{sisisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "reading", fanstore_remote_reading(), "bells",
         fsr_state.gathered == 1, "polls", fsr_stats.polls, "bell_wakes", fsr_stats.bell_wakes, "served", fsr_stats.served,
         "served_io", fsr_stats.served_io, "served_bytes", fsr_stats.served_bytes, "bad_requests", fsr_stats.bad_requests,
         "error_replies", fsr_stats.error_replies, "fetched", fsr_stats.fetched, "fetched_bytes", fsr_stats.fetched_bytes,
@@ -390,5 +443,6 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
         fsr_stats.c_chunk_hits, "c_fetch_ahead", fsr_stats.c_fetch_ahead, "send_waits", fsr_stats.send_waits,
         "worker_sends", fsr_stats.worker_sends, "served_mapped", fsr_stats.served_mapped,
         "py_in_place", fsr_stats.py_in_place, "local_rings", fsr_stats.local_rings, "map_zaps", fsr_stats.map_zaps,
-        "probe_again", fsr_stats.probe_again, "probe_found", fsr_stats.probe_found);
+        "probe_again", fsr_stats.probe_again, "probe_found", fsr_stats.probe_found, "direct_sends",
+        fsr_stats.direct_sends, "verified_by_reaper", fsr_stats.verified_by_reaper, "fuse_spares", fanstore_threads_spares());
 }

@@ -70,6 +70,7 @@ struct job { /* work for a worker: a disk read to serve, or a large reply to ver
     struct call *call;  /* decode: the call answered, `buf` its reply of `n` bytes */
     char *buf;
     size_t n;
+    double queued; /* fsr_now() when pushed */
 };
 
 struct sending {
@@ -110,7 +111,8 @@ struct fsr_stats {
         error_replies, fetched, fetched_bytes, corrupt, timeouts, peer_errors, send_errors,
         verified_by_worker, open_calls, peak_calls, c_reads, c_read_bytes, c_read_fallbacks,
         cache_offers, c_range_reads, c_chunk_hits, c_fetch_ahead, send_waits, worker_sends,
-        served_mapped, py_in_place, local_rings, map_zaps, probe_again, probe_found;
+        served_mapped, py_in_place, local_rings, map_zaps, probe_again, probe_found, direct_sends,
+        verified_by_reaper;
 };
 extern struct fsr_stats fsr_stats;
 

@@ -362,7 +362,9 @@ static int fsr_receive(int rung) {
             COUNT(bad_requests);
             if (n >= sizeof(struct fsr_header) && st.tag == FSR_TAG_REQUEST) {
                 size_t m;
-                fsr_post(st.source, FSR_TAG_REPLY, fsr_error_reply((struct fsr_header *)buf, EPROTO, &m), m);
+                char *err = fsr_error_reply((struct fsr_header *)buf, EPROTO, &m);
+                if (err != NULL) /* NULL: no memory; the peer times out */
+                    fsr_post(st.source, FSR_TAG_REPLY, err, m);
             }
             free(buf);
             continue;

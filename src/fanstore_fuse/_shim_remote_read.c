@@ -160,7 +160,9 @@ int fanstore_remote_answered(uint64_t ino, const void *body, size_t left) {
     uint64_t fh, off;
     uint32_t size;
     struct rread r;
-    if (left < 20)
+    /* taken on a C request thread (no GIL): a READ remote_read gives up on goes to next_read,
+     * which must then be _shim_read.c's (it hands such READs to Python), not pyfuse3's */
+    if (left < 20 || !fanstore_read_in_c_started())
         return 0;
     memcpy(&fh, body, 8); /* struct fuse_read_in: fh, offset, size, ... */
     memcpy(&off, (const char *)body + 8, 8);

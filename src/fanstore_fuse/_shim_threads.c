@@ -23,12 +23,24 @@
  * squashfuse_ll, too, answered from one of its threads nearly always. A C answer never blocks,
  * so one thread is never busy for long; more only help if that changes.
  *
+ * A remote READ's request may be sent by the thread that read it (FANSTORE_CREMOTE_DIRECT,
+ * _shim_remote.c), inside MPI_Isend. That call can stay for good: the OFI netmod retries its
+ * connection to a dead peer inside MPI_Isend (bind, connect, epoll, again), holding MPICH's
+ * lock (docs/reliability.md). fanstore_threads_mpi brackets such a call. The remote thread's
+ * reaper calls fanstore_threads_unstick every 200 ms, which starts one more thread for each
+ * one inside MPI for SPARE_NS or more, so that the session's other requests are still read
+ * (the stuck READ itself is answered by its call's deadline). While a thread is inside MPI for
+ * FANSTORE_STUCK_NS or more, fanstore_threads_direct_ok says no to every thread: they queue
+ * their requests for the remote thread, and the deadlines answer them.
+ *
  * A thread that reads an error other than EINTR/EAGAIN/ENOENT (ENODEV: unmounted) ends the
  * session as libfuse's loop would: the queue then says 0 (or -errno) to pyfuse3 forever. The
  * interposed fuse_session_unmount and fuse_session_destroy (_shim_push.c's) stop the threads first (cancelled in
  * their blocking read, the only point where cancellation is on, as libfuse's loop does, then
  * joined), before libfuse closes the descriptor; requests still queued are dropped with the
- * session (the kernel fails them when the connection goes).
+ * session (the kernel fails them when the connection goes). A thread still inside MPI is
+ * joined for at most a second, then left behind (it is cancelled when it reaches its next
+ * read; the process ends with it).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -72,7 +84,19 @@ static process_t real_process;
 static pthread_mutex_t qlock = PTHREAD_MUTEX_INITIALIZER;
 static struct item *head, *tail;
 static int end_res = 1;            /* 1: running; else what receive_buf returns (0 or -errno) */
-static unsigned long long answered, handed;
+static unsigned long long answered, handed, spares;
+static pthread_mutex_t tlock = PTHREAD_MUTEX_INITIALIZER; /* running, tids, replaced, stopping */
+static int stopping;
+static int64_t mpi_since[MAX_THREADS]; /* ns of CLOCK_MONOTONIC the thread is inside MPI since; 0: not */
+static char replaced[MAX_THREADS];     /* a thread was started in its place */
+static __thread int my_index = -1;
+#define SPARE_NS 500000000LL           /* inside MPI this long: another thread reads requests */
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
 
 static void *xmalloc(size_t n) { /* never drop a request: wait for memory */
     void *p;
@@ -126,7 +150,7 @@ static void end_session(int res) {
 static void free_buffer(void *mem) { free(*(char **)mem); }
 
 static void *thread_main(void *arg) {
-    (void)arg;
+    my_index = (int)(intptr_t)arg;
     fanstore_c_thread = 1;
     pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, NULL);
     char *mem = xmalloc(bufsize);
@@ -152,6 +176,20 @@ static void *thread_main(void *arg) {
     return NULL;
 }
 
+static int spawn(int k) { /* thread k started (under tlock) */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old); /* signals stay with the Python threads */
+    int made = pthread_create(&tids[k], NULL, thread_main, (void *)(intptr_t)k) == 0;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (made) {
+        char name[16];
+        snprintf(name, sizeof(name), "fanstore-fuse%d", k);
+        pthread_setname_np(tids[k], name);
+    }
+    return made;
+}
+
 static int start(struct fuse_session *se, int fd) {
     real_process = (process_t)fanstore_libfuse_symbol("fuse_session_process_buf");
     if (real_process == NULL)
@@ -163,17 +201,14 @@ static int start(struct fuse_session *se, int fd) {
     dev_fd = fd;
     bufsize = (size_t)256 * (size_t)sysconf(_SC_PAGESIZE) + HEADER_MAX; /* libfuse's bufsize */
     end_res = 1;
-    sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_BLOCK, &all, &old); /* signals stay with the Python threads */
-    for (running = 0; running < wanted; running++) {
-        if (pthread_create(&tids[running], NULL, thread_main, NULL) != 0)
+    pthread_mutex_lock(&tlock);
+    stopping = 0;
+    memset(mpi_since, 0, sizeof(mpi_since));
+    memset(replaced, 0, sizeof(replaced));
+    for (running = 0; running < wanted; running++)
+        if (!spawn(running))
             break;
-        char name[16];
-        snprintf(name, sizeof(name), "fanstore-fuse%d", running);
-        pthread_setname_np(tids[running], name);
-    }
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_mutex_unlock(&tlock);
     if (running == 0) {
         close(efd);
         efd = -1;
@@ -183,13 +218,23 @@ static int start(struct fuse_session *se, int fd) {
 }
 
 static void stop(void) {
-    if (running == 0)
+    pthread_mutex_lock(&tlock);
+    int n = running;
+    stopping = 1;
+    pthread_mutex_unlock(&tlock);
+    if (n == 0)
         return;
-    for (int k = 0; k < running; k++)
+    for (int k = 0; k < n; k++)
         pthread_cancel(tids[k]);
-    for (int k = 0; k < running; k++)
-        pthread_join(tids[k], NULL);
-    running = 0;
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 1; /* one inside MPI (a dead peer) is left behind */
+    for (int k = 0; k < n; k++)
+        if (__atomic_load_n(&mpi_since[k], __ATOMIC_ACQUIRE) == 0)
+            pthread_join(tids[k], NULL);
+        else if (pthread_timedjoin_np(tids[k], NULL, &until) != 0)
+            pthread_detach(tids[k]);
+    __atomic_store_n(&running, 0, __ATOMIC_RELEASE);
     pthread_mutex_lock(&qlock);
     while (head != NULL) { /* never to be answered: the session goes */
         struct item *it = head;
@@ -202,6 +247,45 @@ static void stop(void) {
 }
 
 int fanstore_threads_on(struct fuse_session *se) { return running > 0 && se == tse; }
+
+void fanstore_threads_mpi(int inside) {
+    if (my_index >= 0)
+        __atomic_store_n(&mpi_since[my_index], inside ? now_ns() : 0, __ATOMIC_RELEASE);
+}
+
+int fanstore_threads_direct_ok(void) {
+    if (!fanstore_c_thread || my_index < 0)
+        return 0; /* the trio thread, or a worker: nobody would read requests in its place */
+    int n = __atomic_load_n(&running, __ATOMIC_ACQUIRE);
+    if (n >= MAX_THREADS)
+        return 0; /* no room for a spare */
+    int64_t t = now_ns();
+    for (int k = 0; k < n; k++) {
+        int64_t since = __atomic_load_n(&mpi_since[k], __ATOMIC_ACQUIRE);
+        if (since != 0 && t - since >= FANSTORE_STUCK_NS)
+            return 0;
+    }
+    return 1;
+}
+
+int fanstore_threads_unstick(void) {
+    int made = 0;
+    pthread_mutex_lock(&tlock);
+    int64_t t = now_ns();
+    for (int k = 0, n = running; k < n && !stopping && running > 0 && running < MAX_THREADS; k++) {
+        int64_t since = __atomic_load_n(&mpi_since[k], __ATOMIC_ACQUIRE);
+        if (since == 0 || t - since < SPARE_NS || replaced[k])
+            continue;
+        if (!spawn(running))
+            break;
+        replaced[k] = 1;
+        __atomic_add_fetch(&running, 1, __ATOMIC_RELEASE);
+        __atomic_add_fetch(&spares, 1, __ATOMIC_RELAXED);
+        made++;
+    }
+    pthread_mutex_unlock(&tlock);
+    return made;
+}
 
 int fanstore_threads_fd(void) { return efd; }
 
@@ -291,6 +375,8 @@ PyObject *fanstore_py_fuse_threads(PyObject *self, PyObject *args) {
     wanted = n;
     Py_RETURN_NONE;
 }
+
+unsigned long long fanstore_threads_spares(void) { return __atomic_load_n(&spares, __ATOMIC_RELAXED); }
 
 /* fuse_thread_counts(): (threads running, requests answered on them, handed to trio) */
 PyObject *fanstore_py_fuse_thread_counts(PyObject *self, PyObject *unused) {
