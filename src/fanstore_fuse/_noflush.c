@@ -73,6 +73,7 @@ struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_
     fanstore_patch_open(&patched_ops);
     fanstore_patch_read(&patched_ops);
     fanstore_patch_remote(&patched_ops); /* after READ's: it hands on what it does not take */
+    fanstore_replies_open();
     sessions_patched++;
     fanstore_session = real(args, &patched_ops, sizeof(patched_ops), userdata);
     return fanstore_session;

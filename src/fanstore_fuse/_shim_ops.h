@@ -16,6 +16,11 @@ void fanstore_patch_read(struct fuse_lowlevel_ops *ops);    /* _shim_read.c */
 /* _shim_read.c: whether a READ (inode, the fuse_read_in body of `left` bytes) is answered in C
  * (_shim_open.c's request loop then keeps going without trio). */
 int fanstore_read_answered(uint64_t ino, const void *body, size_t left);
+/* _shim_push.c: the reply gate (its header comment). Replies made off the request threads go
+ * through these; after the patched session's destroy they are dropped (-ENOTCONN). */
+void fanstore_replies_open(void); /* a new patched session */
+int fanstore_gated_reply_buf(fuse_req_t req, const char *buf, size_t n);
+int fanstore_gated_reply_err(fuse_req_t req, int err);
 /* _shim_read.c: whether READ is patched to its C handler and started (a READ that a C thread
  * cannot answer in C then goes to Python on that thread, never to pyfuse3's handler). */
 int fanstore_read_in_c_started(void);

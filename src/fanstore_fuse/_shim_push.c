@@ -17,6 +17,15 @@
  *   the file's end (a frame lies inside its blob, the blob inside the file).
  * - fuse_session_destroy (interposed, like _noflush.c's fuse_session_new) stops the pusher and
  *   waits for a store in progress before libfuse frees the session.
+ *
+ * The reply gate, here beside that destroy: READs answered off the request threads (the READ
+ * threads of _shim_read.c, the remote thread's callbacks and fallback threads of
+ * _shim_remote_read.c) may be answered after pyfuse3.close destroyed the session (a READ in
+ * flight at SIGTERM: the remote calls end only in remote_stop, after it). Their replies go
+ * through fanstore_gated_reply_buf/err: once the session is gone, a reply is dropped (its
+ * request is never answered; the kernel failed it when the connection went), never written
+ * through freed memory. The destroy closes the gate under its write lock, so it waits for a
+ * reply in progress; a new session opens it again.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -98,6 +107,47 @@ void fanstore_push(uint64_t ino, uint64_t off, struct fanstore_frame *f) {
         fanstore_fcache_put(f);
 }
 
+/* ------------------------------------------------------------------ the reply gate */
+
+typedef int (*reply_buf_t)(fuse_req_t, const char *, size_t);
+typedef int (*reply_err_t)(fuse_req_t, int);
+static pthread_rwlock_t gate = PTHREAD_RWLOCK_INITIALIZER;
+static int session_gone;
+static reply_buf_t real_reply_buf;
+static reply_err_t real_reply_err;
+
+void fanstore_replies_open(void) {
+    pthread_rwlock_wrlock(&gate);
+    session_gone = 0;
+    real_reply_buf = (reply_buf_t)fanstore_libfuse_symbol("fuse_reply_buf");
+    real_reply_err = (reply_err_t)fanstore_libfuse_symbol("fuse_reply_err");
+    pthread_rwlock_unlock(&gate);
+}
+
+static void replies_close(void) {
+    pthread_rwlock_wrlock(&gate); /* waits for a reply in progress */
+    session_gone = 1;
+    pthread_rwlock_unlock(&gate);
+}
+
+int fanstore_gated_reply_buf(fuse_req_t req, const char *buf, size_t n) {
+    pthread_rwlock_rdlock(&gate);
+    int r = -ENOTCONN;
+    if (!session_gone && real_reply_buf != NULL)
+        r = real_reply_buf(req, buf, n);
+    pthread_rwlock_unlock(&gate);
+    return r;
+}
+
+int fanstore_gated_reply_err(fuse_req_t req, int err) {
+    pthread_rwlock_rdlock(&gate);
+    int r = -ENOTCONN;
+    if (!session_gone && real_reply_err != NULL)
+        r = real_reply_err(req, err);
+    pthread_rwlock_unlock(&gate);
+    return r;
+}
+
 void fuse_session_destroy(struct fuse_session *se) {
     destroy_t real = (destroy_t)fanstore_libfuse_symbol("fuse_session_destroy");
     fanstore_threads_destroy(se); /* _shim_threads.c: its readers stop before the fd closes */
@@ -109,6 +159,8 @@ void fuse_session_destroy(struct fuse_session *se) {
     while (storing && pthread_cond_timedwait(&idle, &lock, &until) == 0)
         ;
     pthread_mutex_unlock(&lock);
+    if (se == fanstore_session)
+        replies_close(); /* READs still answered off the request threads: dropped from now on */
     if (real != NULL && real != fuse_session_destroy)
         real(se);
 }

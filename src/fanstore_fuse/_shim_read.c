@@ -177,8 +177,8 @@ static int serve(const struct job *jb, int nowait, struct worker *w) {
 
 void fanstore_reply_from_python(fuse_req_t req, PyObject *res, PyObject *who) {
     if (reply_from_python_buf == NULL) { /* the GIL is held: one thread at a time here */
-        reply_from_python_buf = (reply_buf_t)fanstore_libfuse_symbol("fuse_reply_buf");
-        reply_from_python_err = (reply_err_t)fanstore_libfuse_symbol("fuse_reply_err");
+        reply_from_python_buf = fanstore_gated_reply_buf; /* off the request threads too */
+        reply_from_python_err = fanstore_gated_reply_err;
     }
     if (res != NULL && PyBytes_Check(res))
         reply_from_python_buf(req, PyBytes_AS_STRING(res), (size_t)PyBytes_GET_SIZE(res));
@@ -331,10 +331,11 @@ int fanstore_read_in_c_started(void) {
 
 void fanstore_patch_read(struct fuse_lowlevel_ops *ops) {
     session_fd = (int (*)(struct fuse_session *))fanstore_libfuse_symbol("fuse_session_fd");
-    reply_buf = (reply_buf_t)fanstore_libfuse_symbol("fuse_reply_buf");
-    reply_err = (reply_err_t)fanstore_libfuse_symbol("fuse_reply_err");
-    if (ops->read == NULL || reply_buf == NULL || reply_err == NULL || nthreads == 0)
+    if (ops->read == NULL || fanstore_libfuse_symbol("fuse_reply_buf") == NULL ||
+        fanstore_libfuse_symbol("fuse_reply_err") == NULL || nthreads == 0)
         return;
+    reply_buf = fanstore_gated_reply_buf; /* the READ threads answer off the request threads */
+    reply_err = fanstore_gated_reply_err;
     py_read = ops->read;
     ops->read = read_in_c;
 }

@@ -446,9 +446,9 @@ PyObject *fanstore_py_remote_chunk(PyObject *self, PyObject *arg) {
 }
 
 void fanstore_patch_remote(struct fuse_lowlevel_ops *ops) {
-    reply_buf = (reply_buf_t)fanstore_libfuse_symbol("fuse_reply_buf");
-    if (ops->read == NULL || reply_buf == NULL)
+    if (ops->read == NULL || fanstore_libfuse_symbol("fuse_reply_buf") == NULL)
         return;
+    reply_buf = fanstore_gated_reply_buf; /* answered on the remote thread, a worker, a fallback */
     next_read = ops->read;
     ops->read = remote_read;
 }
