@@ -254,6 +254,7 @@ PyObject *fanstore_py_hold_blobs(PyObject *self, PyObject *args) {
     fanstore_blobs.xxh3 = held[XXH3].buf;
     fanstore_blobs.chunk_size = chunk;
     fanstore_blobs.n = n; /* last: everything above is in place */
+    fanstore_stream_allow();
     PyBuffer_Release(&zd);
     PyBuffer_Release(&flags);
     Py_RETURN_NONE;

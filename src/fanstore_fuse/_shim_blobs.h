@@ -82,7 +82,8 @@ int fanstore_blob_part_fd(uint32_t part);
  * a read (cheap: a counter, and a signal to the streaming thread now and then); stop joins the
  * thread (before the descriptors close). */
 void fanstore_stream_cold(uint32_t part);
-void fanstore_stream_stop(void);
+void fanstore_stream_stop(void);  /* and none started until: */
+void fanstore_stream_allow(void); /* (hold_blobs, once the new blobs are in place) */
 
 /* `n` stored bytes of `blob` from `rel` bytes into them, into `buf` (the whole blob: rel 0,
  * n = stored[blob]). nowait: only from the page cache (preadv2 RWF_NOWAIT), AGAIN at once

@@ -221,8 +221,14 @@ void fanstore_stream_stop(void) {
     if (up)
         pthread_join(thread, NULL);
     pthread_mutex_lock(&lock);
-    thread_up = stopping = pending = busy = 0;
+    thread_up = pending = busy = 0; /* stopping stays: no stream until fanstore_stream_allow */
     cold_seen = 0;
+    pthread_mutex_unlock(&lock);
+}
+
+void fanstore_stream_allow(void) {
+    pthread_mutex_lock(&lock);
+    stopping = 0;
     __atomic_store_n(&quiet_until, knob_read && fraction <= 0 ? INT64_MAX : 0, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&lock);
 }
