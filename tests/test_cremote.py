@@ -311,3 +311,18 @@ def test_peers_of_one_host_ring_a_local_bell(tmp_path, mount_factory, knob):
         assert c["served"] > 0 and c["c_reads"] > 0 and c["bell_wakes"] > 0, r
         assert c["corrupt"] == c["timeouts"] == c["c_read_fallbacks"] == 0, r
         assert (c["local_rings"] > 0) if knob == "1" else (c["local_rings"] == 0), c
+
+
+@pytest.mark.timeout(240)
+def test_remote_reads_with_reads_in_c_off(src_tree, tmp_path, mount_factory):
+    """`FANSTORE_FASTREAD=0` on 2 ranks: the C request threads leave remote READs to the trio
+    thread (a READ they took and then gave up on would reach pyfuse3's handler without the
+    GIL); every byte still matches, through the C remote thread or Python."""
+    dest = _prep(src_tree, tmp_path)
+    expected = expected_from_source(snapshot(src_tree)[0])
+    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=2,
+                      env={"FANSTORE_FASTREAD": "0"})
+    for mp in m.mountpoints:
+        _check_tree(expected, mp)
+    for r in status_ranks(m.status()):
+        assert r["stats"]["remote_reads"] > 0 and r["stats"]["errors"] == 0, r
