@@ -5,6 +5,7 @@ file compared byte for byte; then the copies' residency and the counters in `sta
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import random
@@ -64,15 +65,41 @@ def _shim(m, rank: int = 0) -> dict[str, int]:
     return status_ranks(m.status())[rank]["fuse_shim"]
 
 
+def _cold_pass(m, parts: list[Path], read, want, tries: int = 20, rank: int = 0) -> dict[str, int]:
+    """Evict the copies, then `read()`; again until `want(counters)` (at most `tries` passes).
+    A read counts as cold when a nowait read would wait (`stream_cold`). On a VM whose disk is
+    served from the host's cache, the read-ahead such a read starts can complete before the
+    nowait read returns, and the read counts as warm: one pass then saw 0-10 of 60 evicted
+    files as cold (fourteenth session, a CI machine before it), so the passes repeat."""
+    for _ in range(tries):
+        drop_page_cache(parts)
+        assert _pages(parts)[0] == 0
+        os.system("echo 1 > /proc/sys/vm/drop_caches")  # the mount's own cached pages too
+        read()
+        deadline = time.monotonic() + 2  # a stream the pass started shows up in stream_runs
+        while True:
+            c = _shim(m, rank)
+            if want(c) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if want(c):
+            return c
+    raise AssertionError(f"not reached in {tries} passes: {c}")
+
+
 def _wait_streamed(m, parts: list[Path], runs: int, rank: int = 0) -> dict[str, int]:
-    """Wait until `runs` streams have run and every page of the copies is resident."""
+    """Wait until `runs` streams have run and the copies are resident. Not every page: these
+    VMs run a DAMON `pageout` scheme (/sys/kernel/mm/damon/admin/kdamonds/0, state "on") that
+    reclaims pages nobody touched for a while, so 1.3% of the copy was seen gone again within
+    seconds of the stream; 2% of the pages may be missing."""
     deadline = time.monotonic() + 30
     while True:
         c = _shim(m, rank)
         resident, total = _pages(parts)
-        if c["stream_runs"] >= runs and resident == total:
+        if c["stream_runs"] >= runs and resident >= total - total // 50:
             return c
-        assert time.monotonic() < deadline, (c, resident, total)
+        assert time.monotonic() < deadline, (
+            {k: v for k, v in c.items() if k.startswith("stream")}, resident, total)
         time.sleep(0.1)
 
 
@@ -86,10 +113,11 @@ def test_cold_reads_stream_the_local_copy_into_the_page_cache(tmp_path, state_di
     with mounted(dest, tmp_path / "mnt", state_dir, local=local) as m:
         parts = _copies(local)
         for k in (1, 2):
-            drop_page_cache(parts)
-            assert _pages(parts)[0] == 0
-            os.system("echo 1 > /proc/sys/vm/drop_caches")  # the mount's own cached pages too
-            _read_all(m.path, files, seed=k)
+            time.sleep(0.3)  # past the gap a stream keeps after the last one (250 ms)
+            base = _shim(m)["stream_cold"]
+            # 16 cold reads since the pass began start a stream: no more evictions after that
+            _cold_pass(m, parts, functools.partial(_read_all, m.path, files, seed=k),
+                       lambda c, base=base: c["stream_cold"] - base >= 16)
             c = _wait_streamed(m, parts, runs=k)
             assert c["stream_runs"] == k and c["stream_refused"] == 0, c
             assert c["stream_windows"] >= k and c["stream_bytes"] > 0, c
@@ -108,20 +136,22 @@ def test_streaming_off_or_over_budget_reads_only_what_is_asked(tmp_path, state_d
     with mounted(dest, tmp_path / "mnt", state_dir, local=local,
                  env={"FANSTORE_STREAM_IN": knob}) as m:
         parts = _copies(local)
-        drop_page_cache(parts)
-        os.system("echo 1 > /proc/sys/vm/drop_caches")
         # a part of the files (most of the copy is never asked for), read in reverse layout
         # order (prep packs files in path order): the kernel's read-ahead runs forward from
         # each miss, over files already read, so every file is a miss however large
         # read_ahead_kb is (8 MiB on this VM's disk: in shuffled order its growing windows
         # hid misses, and a CI machine saw fewer than 16)
         names = sorted(files)[:60]
-        for rel in reversed(names):
-            with open(m.path / rel, "rb") as f:
-                assert f.read() == files[rel], rel
+
+        def read() -> None:
+            for rel in reversed(names):
+                with open(m.path / rel, "rb") as f:
+                    assert f.read() == files[rel], rel
+
+        # the trigger was reached: the knob alone decides
+        _cold_pass(m, parts, read, lambda c: c["stream_cold"] >= 16)
         time.sleep(1.0)
         c = _shim(m)
-        assert c["stream_cold"] >= 16, c  # the trigger was reached: the knob alone decides
         assert c["stream_runs"] == 0 and c["stream_bytes"] == 0, c
         assert (c["stream_refused"] >= 1) == (knob != "0"), c
         resident, total = _pages(parts)
@@ -149,9 +179,8 @@ def test_a_serving_rank_streams_its_copy_when_peers_find_it_cold(tmp_path, state
             assert time.monotonic() < deadline, "the C remote threads never became ready"
             time.sleep(0.05)
         parts = _copies(local / "1")
-        drop_page_cache(parts)
-        os.system("echo 1 > /proc/sys/vm/drop_caches")
-        _read_all(Path(m.mountpoints[0]), files, seed=2)
+        _cold_pass(m, parts, functools.partial(_read_all, Path(m.mountpoints[0]), files, seed=2),
+                   lambda c: c["stream_cold"] >= 16, rank=1)
         c = _wait_streamed(m, parts, runs=1, rank=1)
         assert c["stream_bytes"] > 0 and c["stream_refused"] == 0, c
         served = status_ranks(m.status())[1]["c_remote"]
