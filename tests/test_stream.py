@@ -67,10 +67,11 @@ def _shim(m, rank: int = 0) -> dict[str, int]:
 
 def _cold_pass(m, parts: list[Path], read, want, tries: int = 20, rank: int = 0) -> dict[str, int]:
     """Evict the copies, then `read()`; again until `want(counters)` (at most `tries` passes).
-    A read counts as cold when a nowait read would wait (`stream_cold`). On a VM whose disk is
-    served from the host's cache, the read-ahead such a read starts can complete before the
-    nowait read returns, and the read counts as warm: one pass then saw 0-10 of 60 evicted
-    files as cold (fourteenth session, a CI machine before it), so the passes repeat."""
+    A read counts as cold when a nowait read would wait (`stream_cold`). On these VMs one pass
+    over 60 evicted files saw only 0-10 of them cold, all 60 READs answered inline, and the
+    nowait reads stayed on (fourteenth session; a CI machine before it). Likely the read-ahead
+    such a read starts completes before it returns (the host's cache serves the disk); not
+    proven. So the passes repeat."""
     for _ in range(tries):
         drop_page_cache(parts)
         assert _pages(parts)[0] == 0
