@@ -89,14 +89,19 @@ def test_remote_reads_come_through_c(src_tree, tmp_path, mount_factory, ranks, o
     assert 3 in set(bytes(read_manifest(dest / MANIFEST_NAME).blobs["codec"]))  # framed too
 
 
-@pytest.mark.timeout(240)
-def test_knob_sends_remote_reads_to_python(src_tree, tmp_path, mount_factory):
+def _two_ranks_read_back(src_tree, tmp_path, mount_factory, env: dict[str, str]):
+    """A 2-rank mount with `env`, every file read back byte for byte on both mountpoints."""
     dest = _prep(src_tree, tmp_path)
     expected = expected_from_source(snapshot(src_tree)[0])
-    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=2,
-                      env={"FANSTORE_CREMOTE": "0"})
+    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=2, env=env)
     for mp in m.mountpoints:
         _check_tree(expected, mp)
+    return m
+
+
+@pytest.mark.timeout(240)
+def test_knob_sends_remote_reads_to_python(src_tree, tmp_path, mount_factory):
+    m = _two_ranks_read_back(src_tree, tmp_path, mount_factory, {"FANSTORE_CREMOTE": "0"})
     for r in status_ranks(m.status()):
         assert r["stats"]["remote_reads"] > 0, r
         assert "c_remote_reads" not in r["stats"], r
@@ -318,11 +323,6 @@ def test_remote_reads_with_reads_in_c_off(src_tree, tmp_path, mount_factory):
     """`FANSTORE_FASTREAD=0` on 2 ranks: the C request threads leave remote READs to the trio
     thread (a READ they took and then gave up on would reach pyfuse3's handler without the
     GIL); every byte still matches, through the C remote thread or Python."""
-    dest = _prep(src_tree, tmp_path)
-    expected = expected_from_source(snapshot(src_tree)[0])
-    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=2,
-                      env={"FANSTORE_FASTREAD": "0"})
-    for mp in m.mountpoints:
-        _check_tree(expected, mp)
+    m = _two_ranks_read_back(src_tree, tmp_path, mount_factory, {"FANSTORE_FASTREAD": "0"})
     for r in status_ranks(m.status()):
         assert r["stats"]["remote_reads"] > 0 and r["stats"]["errors"] == 0, r
