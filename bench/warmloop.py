@@ -7,6 +7,7 @@ zstd image), read twice to warm it, then READERS forked processes read their shu
 again and again for SECONDS (`OC=1`: only open and close each file: an OPEN and a RELEASE, no
 page cache involved, so nobody's `drop_caches` changes the load). Printed: files/s, the
 daemon's CPU (user+sys) per file, the readers' own CPU and voluntary context switches per file,
+the daemon's context switches per file, the whole machine's busy CPU time per file (/proc/stat),
 and fanstore's `fuse_shim` counters. PROFILER ARGS run during the loop with `{pid}` replaced by
 the daemon's pid (e.g. `-- perf record -e cpu-clock -g -o perf.data -p {pid}`); they get
 SIGINT at the end.
@@ -30,6 +31,7 @@ from .cost import cpu_since, cpu_snapshot, prep_tree
 
 WORK = Path(os.environ.get("WARMLOOP_WORK", "/tmp/cwarm-s"))
 OC = os.environ.get("OC") == "1"
+TICK = os.sysconf("SC_CLK_TCK")
 VENV = str(REPO / ".venv" / "bin") + "/"
 
 
@@ -71,6 +73,24 @@ def _mount(kind: str, env: dict) -> tuple[Path, list[int], subprocess.Popen | No
     return mpt, [proc.pid], proc
 
 
+def machine_busy_s() -> float:
+    """CPU seconds all CPUs spent not idle (/proc/stat: user .. steal, less idle and iowait).
+    Unlike a profiler's samples, this includes the context switches' own time, which a sampling
+    profiler charges to whatever runs next (docs/performance.md, fifteenth session)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    return (sum(v) - v[3] - v[4]) / TICK
+
+
+def switches(pid: int) -> int:
+    """Voluntary + involuntary context switches of every thread of `pid`."""
+    n = 0
+    for t in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{t}/status") as f:
+            n += sum(int(line.split()[1]) for line in f if "ctxt_switches" in line)
+    return n
+
+
 def _loop(files: list[str], secs: float, readers: int, prof: list[str], pid: int) -> dict:
     ctx = mp.get_context("fork")
     q = ctx.Queue()
@@ -81,11 +101,11 @@ def _loop(files: list[str], secs: float, readers: int, prof: list[str], pid: int
         p.start()
     barrier.wait()
     pp = subprocess.Popen([a.replace("{pid}", str(pid)) for a in prof]) if prof else None
-    c0 = cpu_snapshot([pid])
+    c0, m0, s0 = cpu_snapshot([pid]), machine_busy_s(), switches(pid)
     t0 = time.monotonic()
     got = [q.get() for _ in procs]
     dt = time.monotonic() - t0
-    used = cpu_since(c0)
+    used, busy, sw = cpu_since(c0), machine_busy_s() - m0, switches(pid) - s0
     for p in procs:
         p.join()
     if pp is not None:
@@ -93,7 +113,8 @@ def _loop(files: list[str], secs: float, readers: int, prof: list[str], pid: int
         pp.wait()
     n = max(sum(g[0] for g in got), 1)
     return {"files": n, "files_per_s": n / dt, "daemon_us": used / n * 1e6,
-            "reader_us": sum(g[1] for g in got) / n * 1e6, "vcsw": sum(g[2] for g in got) / n}
+            "reader_us": sum(g[1] for g in got) / n * 1e6, "vcsw": sum(g[2] for g in got) / n,
+            "machine_us": busy / n * 1e6, "daemon_switches": sw / n}
 
 
 def main() -> None:
@@ -118,7 +139,8 @@ def main() -> None:
         r = _loop(files, secs, readers, prof, pids[0])
         print(f"{kind} {readers}r: {r['files']} files {r['files_per_s']:,.0f} files/s, daemon CPU "
               f"{r['daemon_us']:.1f} us/file, readers {r['reader_us']:.1f} us/file "
-              f"{r['vcsw']:.2f} vcsw/file, load {os.getloadavg()[0]:.1f}")
+              f"{r['vcsw']:.2f} vcsw/file, daemon {r['daemon_switches']:.2f} switches/file, machine "
+              f"busy {r['machine_us']:.1f} us/file, load {os.getloadavg()[0]:.1f}")
         if kind == "fan":
             out = subprocess.run([VENV + "fanstore-fuse", "status", "--json", str(mpt)], env=env,
                                  capture_output=True, text=True)
