@@ -100,15 +100,28 @@ def _running(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def _mount(tmp_path: Path, state_dir, threads: str, debug: bool = False):
+def _mount(tmp_path: Path, state_dir, threads: str, debug: bool = False, env: dict | None = None):
     """A default mount of a fresh _tree with FANSTORE_FUSE_THREADS=threads: (mount, files)."""
     src = tmp_path / "src"
     files = _tree(src)
     dest = prep_cli(src, tmp_path / "dest")
     with mounted(dest, tmp_path / "mnt", state_dir, local=tmp_path / "local",
                  extra_args=["--debug"] if debug else [],
-                 env={"FANSTORE_FUSE_THREADS": threads} if threads else {}) as m:
+                 env={**({"FANSTORE_FUSE_THREADS": threads} if threads else {}), **(env or {})}) as m:
         yield m, files
+
+
+def _thread_policies(pid: int, prefix: str) -> list[int]:
+    """The scheduling policy (0 SCHED_OTHER, 3 SCHED_BATCH) of each thread of `pid` whose name
+    starts with `prefix`, from /proc/PID/task/TID/stat (field 41)."""
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            name, rest = stat.split("(", 1)[1].rsplit(")", 1)
+            if name.startswith(prefix):
+                out.append(int(rest.split()[38]))
+    return out
 
 
 def _read_and_write(m, files: dict[str, bytes], readers: int, passes: int, rounds: int) -> None:
@@ -171,6 +184,28 @@ def test_external_unmount_ends_the_daemon(tmp_path, state_dir):
             time.sleep(0.1)
         assert not any(_running(p) for p in pids), "daemon still running"
         assert "Traceback" not in m.log_text()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("knob", ["", "0"])
+def test_request_threads_run_sched_batch_unless_turned_off(tmp_path, state_dir, knob):
+    """The request threads run SCHED_BATCH by default (a woken thread does not preempt the reader
+    that woke it; docs/performance.md, fifteenth session), SCHED_OTHER with FANSTORE_FUSE_BATCH=0;
+    the daemon's other threads keep SCHED_OTHER. Files read byte for byte either way."""
+    env = {"FANSTORE_FUSE_BATCH": knob} if knob else {}
+    with _mount(tmp_path, state_dir, "2", env=env) as (m, files):
+        _read_and_write(m, files, 2, 1, 6)
+        st = m.state()
+        assert st is not None and st.pids
+        pid = st.pids[0]
+        want = 0 if knob == "0" else 3
+        assert _thread_policies(pid, "fanstore-fuse") == [want, want]
+        every = _thread_policies(pid, "")  # Python's and the other C threads: SCHED_OTHER
+        assert len(every) > 2 and every.count(3) == (2 if want == 3 else 0), every
+        assert set(every) <= {0, 3}, every
+        c = _shim(m)
+        assert c["c_fuse_batch"] == (0 if knob == "0" else 2), c
+        assert c["c_thread_answered"] >= 2 * len(files), c
 
 
 @pytest.mark.timeout(120)

@@ -33,6 +33,16 @@
  * FANSTORE_STUCK_NS or more, fanstore_threads_direct_ok says no to every thread: they queue
  * their requests for the remote thread, and the deadlines answer them.
  *
+ * The threads run SCHED_BATCH (FANSTORE_FUSE_BATCH=0: SCHED_OTHER): a woken batch thread does
+ * not preempt the task that woke it. A reader's RELEASE is sent in the background, so its
+ * reader runs on and sends its next OPEN; a thread that preempts it at once answers the RELEASE,
+ * finds nothing, sleeps, and is woken again by the OPEN. On this VM a sleep and wake-up cost
+ * ~16 us, more than a whole C answer (~6 us): 4 warm readers cost the thread 0.84-0.95
+ * switches per file against squashfuse_ll's 0.33-0.46, and 16-28 us of CPU per file against
+ * 11-15. As a batch thread it takes 0.43 switches and 8.5-12 us per file, idle or beside two
+ * CPU hogs (docs/performance.md, fifteenth session). Fairness (the thread's share) is the same;
+ * a request that blocks its reader (OPEN, READ) frees that reader's CPU at once anyway.
+ *
  * A thread that reads an error other than EINTR/EAGAIN/ENOENT (ENODEV: unmounted) ends the
  * session as libfuse's loop would: the queue then says 0 (or -errno) to pyfuse3 forever. The
  * interposed fuse_session_unmount and fuse_session_destroy (_shim_push.c's) stop the threads first (cancelled in
@@ -47,6 +57,7 @@
 #include <errno.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -85,6 +96,8 @@ static pthread_mutex_t qlock = PTHREAD_MUTEX_INITIALIZER;
 static struct item *head, *tail;
 static int end_res = 1;            /* 1: running; else what receive_buf returns (0 or -errno) */
 static unsigned long long answered, handed, spares;
+static int batch = 1;               /* FANSTORE_FUSE_BATCH (0: SCHED_OTHER as before) */
+static unsigned long long batched;  /* threads that run SCHED_BATCH */
 static pthread_mutex_t tlock = PTHREAD_MUTEX_INITIALIZER; /* running, tids, replaced, stopping */
 static int stopping;
 static int64_t mpi_since[MAX_THREADS]; /* ns of CLOCK_MONOTONIC the thread is inside MPI since; 0: not */
@@ -154,6 +167,11 @@ static void *thread_main(void *arg) {
     fanstore_c_thread = 1;
     pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, NULL);
     char *mem = xmalloc(bufsize);
+    if (batch) { /* see the top of the file */
+        struct sched_param sp = {0};
+        if (pthread_setschedparam(pthread_self(), SCHED_BATCH, &sp) == 0)
+            __atomic_add_fetch(&batched, 1, __ATOMIC_RELAXED);
+    }
     pthread_cleanup_push(free_buffer, &mem);
     for (;;) {
         pthread_setcancelstate(PTHREAD_CANCEL_ENABLE, NULL);
@@ -200,6 +218,8 @@ static int start(struct fuse_session *se, int fd) {
     tse = se;
     dev_fd = fd;
     bufsize = (size_t)256 * (size_t)sysconf(_SC_PAGESIZE) + HEADER_MAX; /* libfuse's bufsize */
+    const char *b = getenv("FANSTORE_FUSE_BATCH");
+    batch = b == NULL || strcmp(b, "0") != 0;
     end_res = 1;
     pthread_mutex_lock(&tlock);
     stopping = 0;
@@ -378,12 +398,14 @@ PyObject *fanstore_py_fuse_threads(PyObject *self, PyObject *args) {
 
 unsigned long long fanstore_threads_spares(void) { return __atomic_load_n(&spares, __ATOMIC_RELAXED); }
 
-/* fuse_thread_counts(): (threads running, requests answered on them, handed to trio) */
+/* fuse_thread_counts(): (threads running, requests answered on them, handed to trio, threads
+ * started SCHED_BATCH) */
 PyObject *fanstore_py_fuse_thread_counts(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
-    return Py_BuildValue("(iKK)", running, __atomic_load_n(&answered, __ATOMIC_RELAXED),
-                         __atomic_load_n(&handed, __ATOMIC_RELAXED));
+    return Py_BuildValue("(iKKK)", running, __atomic_load_n(&answered, __ATOMIC_RELAXED),
+                         __atomic_load_n(&handed, __ATOMIC_RELAXED),
+                         __atomic_load_n(&batched, __ATOMIC_RELAXED));
 }
 
 /* fuse_queued(): whether a request waits in the queue for pyfuse3 (_fusequeue.waiting). */
