@@ -41,7 +41,7 @@ from ._mountctl import (
 from ._readahead import hold_readahead, set_readahead
 from ._settings import Settings
 from ._startup import Exchange, MappedPages, PeerFailed, Phases, Staged, stage
-from ._transport import Transport, mpich_shm_defaults
+from ._transport import Transport, mpich_shm_defaults, unlink_shared_segments
 from ._view import ENTRY_TIMEOUT, MountView
 from .writes import WriteStore
 
@@ -252,6 +252,8 @@ def communicator(cfg: MountConfig) -> tuple[Any, int, int]:
         comm = MPI.COMM_WORLD
         if why := world_error(comm.Get_size()):  # N one-rank file systems would serve, none shared
             raise FanstoreError(why)
+        comm.Barrier()  # every rank of this host has attached MPICH's shared memory
+        unlink_shared_segments()
     comm.Set_errhandler(MPI.ERRORS_RETURN)
     return comm, comm.Get_rank(), comm.Get_size()
 

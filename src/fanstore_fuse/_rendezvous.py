@@ -118,6 +118,9 @@ def join(rv: Rendezvous, on_timeout: Callable[[str], None]) -> Any:
     """
     from mpi4py import MPI
 
+    from ._transport import unlink_shared_segments
+
+    unlink_shared_segments()  # this process's own MPI_Init (a singleton): nobody else attaches
     rv.check()
     if rv.nodes == 1:
         return MPI.COMM_SELF.Dup()
