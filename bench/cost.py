@@ -300,6 +300,8 @@ def run_remote(work: Path, dest: Path, rels: list[str], envs: list[dict], rounds
             res = sorted(r, key=lambda d: d["cpu_us_per_file"])[len(r) // 2]
             res.update(command=fan.command, env=env,
                        cpu_us_per_file_runs=[round(d["cpu_us_per_file"]) for d in r],
+                       p50_us_runs=[round(d["p50_us"]) for d in r],
+                       p99_us_runs=[round(d["p99_us"]) for d in r],
                        disk_bytes_per_file_runs=[d["disk_bytes_per_file_by_daemon"] for d in r])
             out.append(res)
         if profile:  # an extra pass (sampling costs CPU): its figures are not reported
@@ -424,6 +426,7 @@ def print_table(res: dict) -> None:
         print(f"  remote CPU us/file by daemon: {by}; mpiexec+proxy {rc['cpu_us_per_file_other']:,.0f}")
         for r in [rc, *res.get("remote_ab", [])]:
             print(f"  remote CPU us/file per pass {r['env'] or 'default'}: {r['cpu_us_per_file_runs']}; "
+                  f"p50 us {r.get('p50_us_runs')}, p99 us {r.get('p99_us_runs')}; "
                   f"disk bytes/file read by rank 0, 1: {r['disk_bytes_per_file_runs']}")
     if lc:
         print(f"  local disk bytes/file read by the daemon: {lc['disk_bytes_per_file_by_daemon']}")
