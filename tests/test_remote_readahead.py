@@ -101,10 +101,16 @@ def test_each_remote_chunk_travels_once_with_the_disk_cache_on(tmp_path, mount_f
     first = rank0()
     assert "disk_cache" in first and first["c_remote"]["fetched"] == 0, first
     read(path, data)
-    deadline = time.monotonic() + 30  # the disk cache's writer is asynchronous
-    while (one := rank0())["disk_cache"]["entries"] < len(remote):
+    # The disk cache's writer is asynchronous, and the cache never blocks a reader: a blob put
+    # while QUEUE_BYTES (64 MiB: 16 of these chunks) wait for the writer is dropped (counted as
+    # skipped). One CI run of d216697 stopped at exactly 16 entries. A skipped chunk that stays
+    # in a slot of READs in C is not offered again until it leaves the slot (seen with a
+    # temporary 8 MiB queue), so with a skip the cache's later passes cannot be asserted.
+    deadline = time.monotonic() + 30
+    while (one := rank0())["disk_cache"]["entries"] < len(remote) and not one["disk_cache"]["skipped"]:
         assert time.monotonic() < deadline, one["disk_cache"]
         time.sleep(0.1)
+    skipped = one["disk_cache"]["skipped"]
     c, stats = one["c_remote"], one["stats"]
     # Every fetch of a blob from rank 1 went through the C thread (no fallback to Python's
     # transport), and there were no more of them than remote chunks.
@@ -112,18 +118,18 @@ def test_each_remote_chunk_travels_once_with_the_disk_cache_on(tmp_path, mount_f
     assert stats.get("c_remote_fallbacks", 0) == 0 and stats["errors"] == 0, stats
     assert c["fetched"] <= len(remote), (c, stats, len(remote))
     assert c["c_reads"] > 0 and c["cache_offers"] > 0, c  # READs in C, their chunks to the cache
-    assert one["disk_cache"]["entries"] == len(remote)
+    assert skipped or one["disk_cache"]["entries"] == len(remote), one["disk_cache"]
 
     _drop_pages(path)
     read(path, data)
     second = rank0()
-    assert second["c_remote"]["fetched"] == c["fetched"], second["c_remote"]  # nothing fetched
+    assert skipped or second["c_remote"]["fetched"] == c["fetched"], second["c_remote"]  # nothing fetched
     # Read locally: from the disk cache, or from memory (C's last SLOTS chunks; a chunk that
     # Python read for a READ across two chunks stays in its blob cache, read from the disk
     # cache then, or copied from C's slot)
     hits, copies = second["disk_cache"]["hits"], stats.get("c_chunk_copies", 0)
-    assert hits + copies >= len(remote) - SLOTS, (second["disk_cache"], copies)
-    if reader == "buffered":  # every READ in one chunk: the second pass's from the disk cache
+    assert skipped or hits + copies >= len(remote) - SLOTS, (second["disk_cache"], copies)
+    if reader == "buffered" and not skipped:  # every READ in one chunk: the second pass's from the disk cache
         assert hits - one["disk_cache"]["hits"] >= len(remote) - SLOTS, second["disk_cache"]
 
     rng = random.Random(3)
@@ -134,4 +140,4 @@ def test_each_remote_chunk_travels_once_with_the_disk_cache_on(tmp_path, mount_f
             assert os.pread(fd, 128 * KiB, off) == data[off:off + 128 * KiB], off
     finally:
         os.close(fd)
-    assert rank0()["c_remote"]["fetched"] == c["fetched"]  # all local now (disk cache)
+    assert skipped or rank0()["c_remote"]["fetched"] == second["c_remote"]["fetched"]  # all local
