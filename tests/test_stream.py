@@ -187,3 +187,46 @@ def test_a_serving_rank_streams_its_copy_when_peers_find_it_cold(tmp_path, state
         served = status_ranks(m.status())[1]["c_remote"]
         assert served["served"] > 0 and served["error_replies"] == 0, served
         _read_all(Path(m.mountpoints[0]), files, seed=4)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("knob", ["1", "0"])
+@_remote_marks
+def test_cold_reads_of_the_disk_cache_stream_its_segments_in(tmp_path, state_dir, knob):
+    """Epoch 2 of a 2-rank mount: rank 0 reads the blobs rank 1 holds from its disk cache of
+    remote blobs. With the cache's segments (and rank 0's copy) evicted, reads that find them
+    cold stream the segments in too (`stream_cache_segments`), and every file reads back byte
+    for byte; with FANSTORE_STREAM_CACHE=0 a stream reads the copy and nothing of the cache."""
+    files = _tree(tmp_path / "src", n=300, seed=9)
+    dest = prep_cli(tmp_path / "src", tmp_path / "dest", "-p", "4")
+    local = tmp_path / "local"
+    with mounted(dest, str(tmp_path / "mnt" / "{rank}"), state_dir, ranks=2,
+                 local=str(local / "{rank}"),
+                 env={"FANSTORE_CACHE_BYTES": str(1 << 20), "FANSTORE_STREAM_CACHE": knob}) as m:
+        root = Path(m.mountpoints[0])
+        _read_all(root, files, seed=1)  # epoch 1: rank 1's blobs fetched and cached on rank 0
+        deadline = time.monotonic() + 30
+        while status_ranks(m.status())[0]["disk_cache"]["entries"] == 0:
+            assert time.monotonic() < deadline, status_ranks(m.status())[0]["disk_cache"]
+            time.sleep(0.05)
+        time.sleep(0.5)  # the writer thread's last batch
+        segments = sorted((local / "0" / "cache").glob("seg-*.fsc"))
+        assert segments, list((local / "0").rglob("*"))
+        parts = _copies(local / "0") + segments
+        time.sleep(0.3)  # past the gap after epoch 1's streams
+        runs = _shim(m)["stream_runs"]
+        want = ((lambda c: c["stream_cache_segments"] >= 1) if knob == "1"
+                else (lambda c: c["stream_runs"] > runs))
+        c = _cold_pass(m, parts, functools.partial(_read_all, root, files, seed=2), want)
+        assert c["stream_cache_skipped"] == 0 and c["c_cache_fallbacks"] == 0, c
+        if knob == "1":
+            deadline = time.monotonic() + 30
+            while (res := _pages(segments))[0] < res[1] - res[1] // 50:
+                assert time.monotonic() < deadline, (res, c)
+                time.sleep(0.1)
+        else:
+            time.sleep(1.0)  # a stream under way has ended
+            assert _shim(m)["stream_cache_segments"] == 0, _shim(m)
+        cache = status_ranks(m.status())[0]["disk_cache"]
+        assert cache["hits"] > 0 and cache["corrupt"] == 0, cache
+        _read_all(root, files, seed=3)

@@ -130,7 +130,7 @@ FRAME_COUNTS = ("c_frame_hits", "c_frame_misses", "c_frame_evictions", "c_frame_
                 "c_frame_push_fails", "c_frame_push_drops")
 
 STREAM_COUNTS = ("stream_runs", "stream_refused", "stream_windows", "stream_bytes", "stream_ns",
-                 "stream_cold")
+                 "stream_cold", "stream_cache_segments", "stream_cache_skipped")
 
 
 def counts() -> dict[str, int]:

@@ -82,6 +82,7 @@ int fanstore_blob_part_fd(uint32_t part);
  * a read (cheap: a counter, and a signal to the streaming thread now and then); stop joins the
  * thread (before the descriptors close). */
 void fanstore_stream_cold(uint32_t part);
+#define FANSTORE_STREAM_CACHE UINT32_MAX /* `part` for the disk cache's segments (_shim_cache.c) */
 void fanstore_stream_stop(void);  /* and none started until: */
 void fanstore_stream_allow(void); /* (hold_blobs, once the new blobs are in place) */
 

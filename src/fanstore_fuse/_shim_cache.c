@@ -138,9 +138,13 @@ int fanstore_cache_read(uint64_t blob, char *buf, size_t cap, uint32_t *raw, int
     struct iovec iov[2] = {{digest, ENTRY_HEADER}, {buf, len}};
     ssize_t got = preadv2(s->fd, iov, 2, (off_t)(loc & OFF_MASK), nowait ? RWF_NOWAIT : 0);
     int again = got < 0 && (errno == EAGAIN || errno == EOPNOTSUPP); /* or no RWF_NOWAIT here */
+    int cold = got >= 0 || errno == EAGAIN;
     unpin(s);
-    if (nowait && (again || (got > 0 && got < (ssize_t)len + ENTRY_HEADER)))
+    if (nowait && (again || (got > 0 && got < (ssize_t)len + ENTRY_HEADER))) {
+        if (cold) /* (not where RWF_NOWAIT is unsupported) */
+            fanstore_stream_cold(FANSTORE_STREAM_CACHE);
         return FANSTORE_CACHE_AGAIN; /* (partly) not in the page cache: the disk is needed */
+    }
     uint64_t want = 0;
     for (int k = ENTRY_HEADER - 1; k >= 0; k--)
         want = want << 8 | digest[k];
@@ -198,6 +202,30 @@ int fanstore_cache_blob_range(uint64_t blob, uint64_t lo, uint64_t hi, int nowai
     default:
         return FANSTORE_BLOB_CORRUPT;
     }
+}
+
+int fanstore_cache_segment_fds(int *fds, int max) {
+    pthread_mutex_lock(&cache.lock);
+    int dirfd = cache.on && cache.dirfd >= 0 ? fcntl(cache.dirfd, F_DUPFD_CLOEXEC, 0) : -1;
+    uint64_t number = cache.gone + 1;
+    pthread_mutex_unlock(&cache.lock);
+    if (dirfd < 0)
+        return 0;
+    int n = 0, misses = 0;
+    /* the oldest may be unlinked before Python says so (cache_evicted): look a little further */
+    for (; n < max && misses < 64; number++) {
+        char name[40];
+        snprintf(name, sizeof(name), "seg-%012llu.fsc", (unsigned long long)number);
+        int fd = openat(dirfd, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+        if (fd >= 0)
+            fds[n++] = fd;
+        else if (n > 0)
+            break; /* past the newest */
+        else
+            misses++;
+    }
+    close(dirfd);
+    return n;
 }
 
 /* Every fd closed, reads off, buffers released. Under the GIL. */

@@ -30,6 +30,11 @@ int fanstore_cache_read(uint64_t blob, char *buf, size_t cap, uint32_t *raw, int
 int fanstore_cache_range(uint64_t blob, uint64_t lo, uint64_t hi, int nowait, char **buf,
                          size_t *cap, const char **out, size_t *n);
 
+/* The live segment files, oldest first, each opened afresh (O_RDONLY) for the streaming thread
+ * (_shim_stream.c), which closes them: at most `max` descriptors into `fds`; the count (0 when
+ * the C cache is off). */
+int fanstore_cache_segment_fds(int *fds, int max);
+
 /* For the READ dispatcher (_shim_read.c), beside _shim_blobs.h's functions: */
 struct fanstore_scratch;
 

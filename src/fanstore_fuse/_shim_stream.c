@@ -15,6 +15,13 @@
  * copy to user memory, and no page stays mapped (drop_caches and memory pressure can evict
  * all of it). Readers that need a page first read it themselves meanwhile, as before.
  *
+ * The disk cache of remote blobs (_shim_cache.c) is streamed the same way: its segment files
+ * hold the second epoch's remote half, written in the first epoch's order and read in another
+ * (a cold cache read calls fanstore_stream_cold with FANSTORE_STREAM_CACHE, and then the
+ * segments go first). Each segment is streamed only while what it and the local copies lack
+ * fits the budget (else counted in stream_cache_skipped); FANSTORE_STREAM_CACHE=0 leaves the
+ * cache out. Measured: docs/performance.md, sixteenth session.
+ *
  * Bounds: the bytes not yet resident must fit in FANSTORE_STREAM_IN (a fraction of
  * MemAvailable, default 0.5; 0 turns streaming off) when a stream starts, else nothing is
  * streamed (counter stream_refused; copies larger than MemTotal plus that share are refused
@@ -38,6 +45,7 @@
 #include <time.h>
 
 #include "_shim_blobs.h"
+#include "_shim_cache.h"
 
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22
@@ -47,16 +55,19 @@
 #define STREAM_TRIGGER 16 /* cold blobs seen since the last stream */
 #define STREAM_GAP_NS 250000000LL
 #define REFUSED_GAP_NS 30000000000LL
+#define CACHE_SEGMENTS 512 /* at most this many disk-cache segments per stream */
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
 static pthread_t thread;
 static int thread_up, stopping, pending, busy, knob_read;
 static double fraction = 0.5;
+static int with_cache = 1; /* FANSTORE_STREAM_CACHE=0: the local copies only */
 static uint32_t first_part;
 static int64_t quiet_until; /* no cold read looks before this (INT64_MAX: streaming, or off) */
 static unsigned cold_seen;
 static unsigned long long runs, refused, windows, bytes_read, stream_ns, cold_total;
+static unsigned long long cache_segments, cache_skipped; /* disk-cache segments streamed, not */
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -109,6 +120,28 @@ static uint64_t walk(int fd, uint64_t size, int measure) {
     return left;
 }
 
+/* The disk cache's segments (_shim_cache.c), after the local copies (or before them, when the
+ * cache was found cold first), each only while what it and the copies lack fits the budget. */
+static void stream_cache(double budget, uint64_t local_want) {
+    int fds[CACHE_SEGMENTS];
+    int n = with_cache ? fanstore_cache_segment_fds(fds, CACHE_SEGMENTS) : 0, streamed = 0;
+    uint64_t want = local_want;
+    for (int k = 0; k < n; k++) {
+        struct stat st;
+        uint64_t size = fstat(fds[k], &st) == 0 ? (uint64_t)st.st_size : 0;
+        uint64_t lacks = size ? walk(fds[k], size, 1) : 0;
+        if (lacks > 0 && (double)(want + lacks) <= budget) {
+            want += lacks;
+            walk(fds[k], size, 0);
+            streamed++;
+        } else if (lacks > 0) {
+            __atomic_add_fetch(&cache_skipped, 1, __ATOMIC_RELAXED);
+        }
+        close(fds[k]);
+    }
+    __atomic_add_fetch(&cache_segments, (unsigned long long)streamed, __ATOMIC_RELAXED);
+}
+
 /* One stream; 0 when it was refused (too large for the page cache it may use). */
 static int stream_once(uint32_t first) {
     uint32_t n = fanstore_blob_parts();
@@ -129,18 +162,24 @@ static int stream_once(uint32_t first) {
     for (uint32_t k = 0; k < n; k++)
         if (sizes[k] > 0)
             want += walk(fanstore_blob_part_fd(k), sizes[k], 1);
-    if (want == 0)
-        return 1;
     if ((double)want > budget) {
         __atomic_add_fetch(&refused, 1, __ATOMIC_RELAXED);
         return 0;
     }
-    __atomic_add_fetch(&runs, 1, __ATOMIC_RELAXED);
-    for (uint32_t i = 0; i < n; i++) {
-        uint32_t k = (first + i) % n;
-        if (sizes[k] > 0)
-            walk(fanstore_blob_part_fd(k), sizes[k], 0);
+    /* the disk cache's segments, before the copies when a cache read was found cold first */
+    int cache_first = first == FANSTORE_STREAM_CACHE;
+    if (cache_first)
+        stream_cache(budget, want);
+    if (want > 0) {
+        __atomic_add_fetch(&runs, 1, __ATOMIC_RELAXED);
+        for (uint32_t i = 0; i < n; i++) {
+            uint32_t k = (cache_first ? i : first + i) % n;
+            if (sizes[k] > 0)
+                walk(fanstore_blob_part_fd(k), sizes[k], 0);
+        }
     }
+    if (!cache_first)
+        stream_cache(budget, want);
     return 1;
 }
 
@@ -177,6 +216,8 @@ static void read_knob(void) {
         double f = strtod(k, &end);
         fraction = end != k && f >= 0 ? f : 0.5;
     }
+    const char *c = getenv("FANSTORE_STREAM_CACHE");
+    with_cache = !(c != NULL && strcmp(c, "0") == 0);
     knob_read = 1;
     if (fraction <= 0)
         __atomic_store_n(&quiet_until, INT64_MAX, __ATOMIC_RELAXED); /* off for good */
@@ -236,10 +277,12 @@ void fanstore_stream_allow(void) {
 PyObject *fanstore_py_stream_counts(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
-    return Py_BuildValue("(KKKKKK)", __atomic_load_n(&runs, __ATOMIC_RELAXED),
+    return Py_BuildValue("(KKKKKKKK)", __atomic_load_n(&runs, __ATOMIC_RELAXED),
                          __atomic_load_n(&refused, __ATOMIC_RELAXED),
                          __atomic_load_n(&windows, __ATOMIC_RELAXED),
                          __atomic_load_n(&bytes_read, __ATOMIC_RELAXED),
                          __atomic_load_n(&stream_ns, __ATOMIC_RELAXED),
-                         __atomic_load_n(&cold_total, __ATOMIC_RELAXED));
+                         __atomic_load_n(&cold_total, __ATOMIC_RELAXED),
+                         __atomic_load_n(&cache_segments, __ATOMIC_RELAXED),
+                         __atomic_load_n(&cache_skipped, __ATOMIC_RELAXED));
 }
