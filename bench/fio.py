@@ -5,6 +5,8 @@ iodepth 16), on an incompressible file (stored raw: sub-blocks) and a compressib
 (zstd frames). Every job starts cold: each FUSE system is mounted afresh (empty daemon caches)
 and the page cache is dropped. Bars (issue 11): randread 4k >= 0.5x ext4, seq 1M >= 1.0x
 squashfuse. `python -m bench.fio --quick` (320 MiB files, 4 s jobs) or `--full` (15 s jobs);
+The sequential jobs (under a second each on the quick files) run `--repeat` times (default
+3), the systems interleaved, and the median run of each is reported, its runs beside it.
 `--ab KEY=VALUE[,K2=V2]` adds fanstore-fuse mounted with that daemon environment (e.g.
 `FANSTORE_FRAME_PUSH=0`), on the same prepped copy, as another column; `--runtime S` sets the
 random jobs' length, `--frame-kib K` preps fanstore-fuse with that frame size. Each FUSE
@@ -129,28 +131,46 @@ def run_fio(path: str, job: str, size: int, runtime: int) -> dict:
             "ios": r["total_ios"], "cmd": " ".join(args)}  # fmt: skip
 
 
-def measure(systems: list[System], size: int, runtime: int, files: list[str]) -> dict:
+def _median_run(runs: list[dict], unit: str) -> dict:
+    """The run with the median figure (errors last), with every run's figure beside it."""
+    ok = sorted((r for r in runs if unit in r), key=lambda r: r[unit])
+    if not ok:
+        return runs[0]
+    out = dict(ok[(len(ok) - 1) // 2])  # the lower median of an even count
+    out["runs"] = [round(r[unit]) if unit in r else None for r in runs]
+    return out
+
+
+def measure(systems: list[System], size: int, runtime: int, files: list[str],
+            repeat: int = 1) -> dict:
+    """Every job on every system, cold; the sequential jobs (not time-based: under a second
+    each on the quick files) `repeat` times, the systems interleaved, and the median run kept."""
     res: dict = {}
     for fk in files:
         for job in JOBS:
-            for s in systems:
-                try:
-                    s.mount()  # a fresh FUSE daemon: its caches are cold too
-                    drop_caches()
-                    pids = pids_with_arg(s.root) if s.is_fuse else []  # before fio names it
-                    c0, t0 = cpu_snapshot(pids), time.perf_counter()
-                    r = run_fio(os.path.join(s.root, FILES[fk]), job, size, runtime)
-                    r["wall_s"] = time.perf_counter() - t0
-                    if pids and r.get("ios"):
-                        r["cpu_us_per_io"] = cpu_since(c0) / r["ios"] * 1e6
-                except Exception as e:  # noqa: BLE001 - one failed job must not end the run
-                    r = {"error": f"{type(e).__name__}: {str(e)[-300:]}"}
-                finally:
-                    if s.is_fuse:
-                        s.umount()
-                res.setdefault(fk, {}).setdefault(job, {})[s.key] = r
-                log(f"fio {fk} {job} {s.key}: " + (r.get("error") or
-                    f"{r['iops']:.0f} IOPS {r['MiB_s']:.0f} MiB/s"))  # fmt: skip
+            unit = "iops" if job.startswith("rand") else "MiB_s"
+            runs: dict[str, list[dict]] = {s.key: [] for s in systems}
+            for _ in range(1 if "--time_based" in JOBS[job] else repeat):
+                for s in systems:
+                    try:
+                        s.mount()  # a fresh FUSE daemon: its caches are cold too
+                        drop_caches()
+                        pids = pids_with_arg(s.root) if s.is_fuse else []  # before fio names it
+                        c0, t0 = cpu_snapshot(pids), time.perf_counter()
+                        r = run_fio(os.path.join(s.root, FILES[fk]), job, size, runtime)
+                        r["wall_s"] = time.perf_counter() - t0
+                        if pids and r.get("ios"):
+                            r["cpu_us_per_io"] = cpu_since(c0) / r["ios"] * 1e6
+                    except Exception as e:  # noqa: BLE001 - one failed job must not end the run
+                        r = {"error": f"{type(e).__name__}: {str(e)[-300:]}"}
+                    finally:
+                        if s.is_fuse:
+                            s.umount()
+                    runs[s.key].append(r)
+                    log(f"fio {fk} {job} {s.key}: " + (r.get("error") or
+                        f"{r['iops']:.0f} IOPS {r['MiB_s']:.0f} MiB/s"))  # fmt: skip
+            for key, rs in runs.items():
+                res.setdefault(fk, {}).setdefault(job, {})[key] = _median_run(rs, unit)
     return res
 
 
@@ -172,6 +192,9 @@ def report(res: dict, keys: list[str]) -> list[str]:
                 x = fs[unit] / ref[unit]
                 tail = f"   {x:.2f}x {base} (bar {bar}x: {'ok' if x >= bar else 'MISS'})"
             lines.append(f"{job:<15}" + "".join(cells) + tail)
+            if any(len(by.get(k, {}).get("runs", [])) > 1 for k in keys):
+                lines.append(f"{'  (runs)':<15}" + "".join(
+                    f"{' '.join(str(x) for x in by.get(k, {}).get('runs', [])):>{w[k]}}" for k in keys))
         cpu = [f"{job} " + ", ".join(f"{k} {by[k]['cpu_us_per_io']:.1f}" for k in keys
                                      if "cpu_us_per_io" in by.get(k, {}))
                for job, by in jobs.items()]  # fmt: skip
@@ -188,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--files", default="rand,tensor")
     ap.add_argument("--level", type=int, default=3)
     ap.add_argument("--runtime", type=int, default=None, help="random jobs' seconds")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="runs of each sequential job per system, interleaved; the median is kept")
     ap.add_argument("--frame-kib", type=int, default=None, help="fanstore prep's frame size")
     ap.add_argument("--ab", action="append", default=[], metavar="KEY=VALUE[,K2=V2]",
                     help="also fanstore1 with this daemon environment (needs fanstore1)")
@@ -225,11 +250,12 @@ def main(argv: list[str] | None = None) -> int:
         systems.append(WithEnv(ds, work, cfg.level, env=env))
     load = os.getloadavg()
     try:
-        res = measure(systems, size, runtime, cfg.files.split(","))
+        res = measure(systems, size, runtime, cfg.files.split(","), cfg.repeat)
     finally:
         teardown_all()
     lines = report(res, [s.key for s in systems])
-    head = (f"fio, {mode}: {size // MiB} MiB files, {runtime} s random jobs, cold; load average "
+    head = (f"fio, {mode}: {size // MiB} MiB files, {runtime} s random jobs, sequential jobs the "
+            f"median of {cfg.repeat} runs, cold; load average "
             f"{load[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end")  # fmt: skip
     print("\n".join([head, *lines]))
     if cfg.out:

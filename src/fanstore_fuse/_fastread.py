@@ -141,7 +141,8 @@ def counts() -> dict[str, int]:
     refused, pushes dropped with the queue full); the streaming of local copies into the page
     cache (_shim_stream.c): `stream_runs`, `stream_refused` (too large for MemAvailable),
     `stream_windows` and `stream_bytes` read in, `stream_ns` spent streaming, `stream_cold`
-    (blobs reads found cold: 16 since the last stream start one)."""
+    (blobs reads found cold: 16 since the last stream start one), `stream_cache_segments` /
+    `stream_cache_skipped` (disk-cache segments streamed / left out: over the budget)."""
     shim = _fastclose._shim
     if shim is None or not hasattr(shim, "read_counts"):
         return {}
