@@ -4,6 +4,7 @@ with the source (the second pass from the cache, the third after damaging its se
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 from _diskcache_helpers import damage
@@ -63,6 +64,12 @@ def test_two_ranks_second_pass_from_the_disk_cache(tmp_path, mount_factory, cach
     first = rank0()
     assert first["stats"]["remote_reads"] >= len(remote)
     assert first["disk_cache"]["misses"] >= len(remote)  # C remote READs count them too
+    # Entries are written behind the reads: offers from C are announced to Python in batches
+    # (16 blobs, 8 MiB, or 20 ms), then appended by the writer thread.
+    deadline = time.monotonic() + 30
+    while (first := rank0())["disk_cache"]["entries"] < len(remote):
+        assert time.monotonic() < deadline and not first["disk_cache"]["skipped"], first
+        time.sleep(0.05)
     paths = [os.path.join(os.fsencode(mp), r) for r in rels]
     drop_page_cache(paths)
     assert _read_all(mp, rels) == want
@@ -91,3 +98,55 @@ def test_two_ranks_second_pass_from_the_disk_cache(tmp_path, mount_factory, cach
     assert "disk cache: blob" in m.log_text()
     m.umount()
     assert not (tmp_path / "local" / "0" / "cache").exists()
+
+
+def _small_tree(root, n: int = 160) -> list[bytes]:
+    import random
+
+    rng = random.Random(12)
+    rels = []
+    for i in range(n):
+        rel = f"d{i % 4}/f{i:03d}.bin"
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(rng.randbytes(rng.randint(8_000, 40_000)))
+        rels.append(os.fsencode(rel))
+    return rels
+
+
+@pytest.mark.mount
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not hasattr(__import__("fanstore_fuse._fastclose")._fastclose._shim, "remote_start"),
+                    reason="the C shim is not built (no compiler or headers)")
+@pytest.mark.parametrize("batch", ["16", "1"])
+def test_blobs_offered_to_the_disk_cache_are_announced_in_batches(tmp_path, mount_factory, batch):
+    """Blobs that READs in C fetched reach Python's disk cache in batches (FANSTORE_OFFER_BATCH,
+    default 16; 1: one wake-up of Python per blob, as before): every remote blob is still cached,
+    within the time bound (20 ms after the oldest offer), and every file reads back byte for
+    byte, the second pass from the cache without fetching."""
+    src = tmp_path / "src"
+    rels = _small_tree(src)
+    dest = prep_cli(src, tmp_path / "dest", "-p", "4")
+    want = _read_all(str(src), rels)
+    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=2,
+                      local=str(tmp_path / "local" / "{rank}"), extra_args=["--cache-size", "64M"],
+                      env={"FANSTORE_CACHE_BYTES": "1", "FANSTORE_OFFER_BATCH": batch})
+    mp = m.mountpoints[0]
+    man = read_manifest(dest / MANIFEST_NAME)
+    remote = [b for b in range(man.n_blobs) if not Placement(2, 1).holds(0, b)]
+    assert len(remote) > 32
+    assert _read_all(mp, rels) == want
+    deadline = time.monotonic() + 30
+    while (st := status_ranks(m.status())[0])["disk_cache"]["entries"] < len(remote):
+        assert time.monotonic() < deadline and not st["disk_cache"]["skipped"], st["disk_cache"]
+        time.sleep(0.02)
+    offers, pokes = st["c_remote"]["cache_offers"], st["c_remote"]["offer_pokes"]
+    assert offers >= len(remote), st["c_remote"]
+    if batch == "16":
+        assert 0 < pokes * 4 <= offers, (pokes, offers)
+    else:
+        assert pokes * 2 >= offers, (pokes, offers)
+    fetched = st["c_remote"]["fetched"]
+    drop_page_cache([os.path.join(os.fsencode(mp), r) for r in rels])
+    assert _read_all(mp, rels) == want
+    assert status_ranks(m.status())[0]["c_remote"]["fetched"] == fetched  # all from the cache

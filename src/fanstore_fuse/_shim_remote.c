@@ -431,7 +431,7 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
     return Py_BuildValue(
-        "{sisisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "reading", fanstore_remote_reading(), "bells",
+        "{sisisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "reading", fanstore_remote_reading(), "bells",
         fsr_state.gathered == 1, "polls", fsr_stats.polls, "bell_wakes", fsr_stats.bell_wakes, "served", fsr_stats.served,
         "served_io", fsr_stats.served_io, "served_bytes", fsr_stats.served_bytes, "bad_requests", fsr_stats.bad_requests,
         "error_replies", fsr_stats.error_replies, "fetched", fsr_stats.fetched, "fetched_bytes", fsr_stats.fetched_bytes,
@@ -444,5 +444,6 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
         "worker_sends", fsr_stats.worker_sends, "served_mapped", fsr_stats.served_mapped,
         "py_in_place", fsr_stats.py_in_place, "local_rings", fsr_stats.local_rings, "map_zaps", fsr_stats.map_zaps,
         "probe_again", fsr_stats.probe_again, "probe_found", fsr_stats.probe_found, "direct_sends",
-        fsr_stats.direct_sends, "verified_by_reaper", fsr_stats.verified_by_reaper, "fuse_spares", fanstore_threads_spares());
+        fsr_stats.direct_sends, "verified_by_reaper", fsr_stats.verified_by_reaper, "offer_pokes", fsr_stats.offer_pokes,
+        "fuse_spares", fanstore_threads_spares());
 }

@@ -112,7 +112,7 @@ struct fsr_stats {
         verified_by_worker, open_calls, peak_calls, c_reads, c_read_bytes, c_read_fallbacks,
         cache_offers, c_range_reads, c_chunk_hits, c_fetch_ahead, send_waits, worker_sends,
         served_mapped, py_in_place, local_rings, map_zaps, probe_again, probe_found, direct_sends,
-        verified_by_reaper;
+        verified_by_reaper, offer_pokes;
 };
 extern struct fsr_stats fsr_stats;
 
@@ -169,6 +169,10 @@ void fsr_free_out(void *buf);
 /* The remote thread had nothing to do for a whole idle wait: drop the mappings' page-table
  * entries if small bare replies were sent since the last drop (_shim_remote_serve_map.c). */
 void fsr_maps_idle(void);
+/* Blobs offered to the disk cache and not yet announced to Python: announce them when the oldest
+ * waited 20 ms (`now`, fsr_now()) or at once (now < 0); the remote thread's loop
+ * (_shim_remote_py.c). */
+void fsr_offers_flush(double now);
 void fsr_maps_drop(void);
 void fsr_answered_bare(char *buf, size_t n, int source, int tag);
 /* _shim_remote_mpi.c: MPI and the remote thread */
