@@ -25,6 +25,7 @@ $(STAMP): pyproject.toml scripts/install-deps.sh $(wildcard src/fanstore_fuse/*.
 	@# An editable install compiles nothing; with PYTHONDONTWRITEBYTECODE set every daemon would
 	@# then compile the package at start (~0.4 CPU s of its start-up, measured).
 	$(PY) -m compileall -q src >/dev/null
+	$(PY) scripts/check_shim.py
 	@touch $(STAMP)
 
 install: $(STAMP)
