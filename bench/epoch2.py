@@ -22,6 +22,7 @@ import json
 import os
 import random
 import sys
+import time
 from pathlib import Path
 
 from ._profile import Profiler, daemon_pids, summarize
@@ -43,6 +44,21 @@ def disk_cache(fan: Fan) -> dict:
     """Rank 0's disk-cache counters (`status`; `hits` includes `c_hits`, the C shim's)."""
     st = json.loads(os.getxattr(fan.mps[0], "user.fanstore.status"))
     return st["ranks"][0].get("disk_cache", {})
+
+
+def settled_cache(fan: Fan, timeout: float = 5.0) -> dict:
+    """Rank 0's disk-cache counters once its last offers are in: blobs READs in C fetched are
+    announced to Python in batches (up to 16 blobs or 20 ms later) and written behind the reads,
+    so a snapshot taken at once misses the last few (counted then in the next passes)."""
+    last, stable, deadline = None, 0, time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        now = disk_cache(fan)
+        stable = stable + 1 if now == last else 0
+        if stable >= 3:
+            break
+        last = now
+        time.sleep(0.05)
+    return disk_cache(fan)
 
 
 def profile(work: Path, fans: dict[str, Fan], rels: list[str]) -> dict:
@@ -100,7 +116,7 @@ def run(work: Path, rels: list[str], dest: Path, rounds: int, prof: bool = False
     two = Fan(work, dest, "e2", 2, ["--read-only", "--cache-size", "50%"], ENV)
     res: dict = {"command_1rank": one.command, "command_2ranks": two.command}
     res["epoch1_2ranks"] = measure_fan(two, two.mps[0], shuffled(rels, 0), cold=True)
-    res["cache_after_epoch1"] = disk_cache(two)
+    res["cache_after_epoch1"] = settled_cache(two)
     runs: dict[str, list[dict]] = {"local_1rank": [], "epoch2_2ranks": []}
     for i in range(rounds):  # each round a new epoch order, the same for both mounts
         order = shuffled(rels, i + 1)
@@ -142,6 +158,9 @@ def print_report(res: dict) -> None:
         by = ", ".join(f"rank {i} {v:,.0f}" for i, v in enumerate(res[key]["cpu_us_per_file_by_daemon"]))
         print(f"  {label} CPU us/file by daemon: {by}; mpiexec+proxy "
               f"{res[key]['cpu_us_per_file_other']:,.0f}")
+        threads = sorted(res[key].get("cpu_us_per_file_by_thread", {}).items(), key=lambda kv: -kv[1])
+        print("    by thread (schedstat; python3: trio, the disk cache's writer, C pools): "
+              + ", ".join(f"{k} {v:,.0f}" for k, v in threads if v >= 2))
     print("  epoch 2 CPU us/file by subset (1 rank / 2 ranks, reading rank 0 + rank 1 daemons): "
           + "; ".join(f"{name} files " + " / ".join(
               f"{res[f'split_{name}_{k}']['cpu_us_per_file']:,.0f} "
