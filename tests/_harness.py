@@ -37,6 +37,15 @@ C_REMOTE_MARKS = [
     pytest.mark.skipif(_fastclose._shim is None or not hasattr(_fastclose._shim, "remote_start"),
                        reason="the C shim is not built (no compiler or headers)"),
 ]
+
+
+def c_remote(test):
+    """Apply C_REMOTE_MARKS to a test (a mount, MPI ranks, the C shim's remote thread)."""
+    for mark in C_REMOTE_MARKS:
+        test = mark(test)
+    return test
+
+
 DROP_BITS = stat.S_ISUID | stat.S_ISGID
 
 

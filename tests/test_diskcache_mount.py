@@ -8,7 +8,7 @@ import time
 
 import pytest
 from _diskcache_helpers import damage
-from _harness import build_tree, prep_cli, snapshot, status_ranks
+from _harness import build_tree, c_remote, prep_cli, snapshot, status_ranks
 from _pagecache import drop_page_cache
 
 from fanstore_fuse._diskcache import DATA_START
@@ -28,6 +28,29 @@ def _read_all(mp: str, rels: list[bytes]) -> dict[bytes, bytes]:
 WHOLE_MAX = 512 << 10  # _shim_read.c: blobs the shim reads whole for a READ
 
 
+def _mount_two(tmp_path, mount_factory, dest, env: dict[str, str]):
+    """Two ranks with a 64 MiB disk cache and a 1-byte blob cache in memory (every read reaches
+    the blob source): the mount, rank 0's mountpoint, the manifest, the blobs rank 0 lacks."""
+    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=2,
+                      local=str(tmp_path / "local" / "{rank}"), extra_args=["--cache-size", "64M"],
+                      env={"FANSTORE_CACHE_BYTES": "1", **env})
+    man = read_manifest(dest / MANIFEST_NAME)
+    remote = [b for b in range(man.n_blobs) if not Placement(2, 1).holds(0, b)]
+    assert remote
+    return m, m.mountpoints[0], man, remote
+
+
+def _wait_cached(m, n: int) -> dict:
+    """Rank 0's status once its disk cache holds `n` entries. They are written behind the
+    reads: offers from C reach Python in batches (16 blobs, 8 MiB or 20 ms), then the writer
+    thread appends them."""
+    deadline = time.monotonic() + 30
+    while (st := status_ranks(m.status())[0])["disk_cache"]["entries"] < n:
+        assert time.monotonic() < deadline and not st["disk_cache"]["skipped"], st["disk_cache"]
+        time.sleep(0.02)
+    return st
+
+
 @pytest.mark.mount
 @pytest.mark.mpi
 @pytest.mark.timeout(240)
@@ -40,15 +63,7 @@ def test_two_ranks_second_pass_from_the_disk_cache(tmp_path, mount_factory, cach
     dest = prep_cli(src, tmp_path / "dest", "--chunk-mib", "1", "-p", "3")
     rels = sorted(p for p, meta in snapshot(src, contents=False)[0].items() if meta.kind == "-")
     want = _read_all(str(src), rels)
-    # A 1-byte blob cache in memory: every read below reaches the blob source.
-    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=2,
-                      local=str(tmp_path / "local" / "{rank}"), extra_args=["--cache-size", "64M"],
-                      env={"FANSTORE_CACHE_BYTES": "1", "FANSTORE_CACHE_C": cache_c})
-    mp = m.mountpoints[0]
-    man = read_manifest(dest / MANIFEST_NAME)
-    pl = Placement(2, 1)
-    remote = [b for b in range(man.n_blobs) if not pl.holds(0, b)]
-    assert remote
+    m, mp, man, remote = _mount_two(tmp_path, mount_factory, dest, {"FANSTORE_CACHE_C": cache_c})
     small = [b for b in remote if man.blobs["raw"][b] <= WHOLE_MAX]  # read whole in C
     assert small
 
@@ -64,12 +79,7 @@ def test_two_ranks_second_pass_from_the_disk_cache(tmp_path, mount_factory, cach
     first = rank0()
     assert first["stats"]["remote_reads"] >= len(remote)
     assert first["disk_cache"]["misses"] >= len(remote)  # C remote READs count them too
-    # Entries are written behind the reads: offers from C are announced to Python in batches
-    # (16 blobs, 8 MiB, or 20 ms), then appended by the writer thread.
-    deadline = time.monotonic() + 30
-    while (first := rank0())["disk_cache"]["entries"] < len(remote):
-        assert time.monotonic() < deadline and not first["disk_cache"]["skipped"], first
-        time.sleep(0.05)
+    first = _wait_cached(m, len(remote))
     paths = [os.path.join(os.fsencode(mp), r) for r in rels]
     drop_page_cache(paths)
     assert _read_all(mp, rels) == want
@@ -113,12 +123,9 @@ def _small_tree(root, n: int = 160) -> list[bytes]:
     return rels
 
 
-@pytest.mark.mount
-@pytest.mark.mpi
 @pytest.mark.timeout(240)
-@pytest.mark.skipif(not hasattr(__import__("fanstore_fuse._fastclose")._fastclose._shim, "remote_start"),
-                    reason="the C shim is not built (no compiler or headers)")
 @pytest.mark.parametrize("batch", ["16", "1"])
+@c_remote
 def test_blobs_offered_to_the_disk_cache_are_announced_in_batches(tmp_path, mount_factory, batch):
     """Blobs that READs in C fetched reach Python's disk cache in batches (FANSTORE_OFFER_BATCH,
     default 16; 1: one wake-up of Python per blob, as before): every remote blob is still cached,
@@ -128,18 +135,10 @@ def test_blobs_offered_to_the_disk_cache_are_announced_in_batches(tmp_path, moun
     rels = _small_tree(src)
     dest = prep_cli(src, tmp_path / "dest", "-p", "4")
     want = _read_all(str(src), rels)
-    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=2,
-                      local=str(tmp_path / "local" / "{rank}"), extra_args=["--cache-size", "64M"],
-                      env={"FANSTORE_CACHE_BYTES": "1", "FANSTORE_OFFER_BATCH": batch})
-    mp = m.mountpoints[0]
-    man = read_manifest(dest / MANIFEST_NAME)
-    remote = [b for b in range(man.n_blobs) if not Placement(2, 1).holds(0, b)]
+    m, mp, _, remote = _mount_two(tmp_path, mount_factory, dest, {"FANSTORE_OFFER_BATCH": batch})
     assert len(remote) > 32
     assert _read_all(mp, rels) == want
-    deadline = time.monotonic() + 30
-    while (st := status_ranks(m.status())[0])["disk_cache"]["entries"] < len(remote):
-        assert time.monotonic() < deadline and not st["disk_cache"]["skipped"], st["disk_cache"]
-        time.sleep(0.02)
+    st = _wait_cached(m, len(remote))
     offers, pokes = st["c_remote"]["cache_offers"], st["c_remote"]["offer_pokes"]
     assert offers >= len(remote), st["c_remote"]
     if batch == "16":

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _harness import C_REMOTE_MARKS, mounted, prep_cli, status_ranks
+from _harness import c_remote, mounted, prep_cli, status_ranks
 from _pagecache import drop_page_cache, resident_pages
 
 from fanstore_fuse import _fastclose
@@ -159,14 +159,8 @@ def test_streaming_off_or_over_budget_reads_only_what_is_asked(tmp_path, state_d
         assert resident < total // 2, (resident, total)
 
 
-def _remote_marks(test):
-    for mark in C_REMOTE_MARKS:
-        test = mark(test)
-    return test
-
-
 @pytest.mark.timeout(240)
-@_remote_marks
+@c_remote
 def test_a_serving_rank_streams_its_copy_when_peers_find_it_cold(tmp_path, state_dir):
     """Rank 0's reads of the blobs only rank 1 holds find rank 1's copy cold: rank 1 streams
     it (its `stream_runs`), and every file still reads back byte for byte."""
@@ -191,7 +185,7 @@ def test_a_serving_rank_streams_its_copy_when_peers_find_it_cold(tmp_path, state
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("knob", ["1", "0"])
-@_remote_marks
+@c_remote
 def test_cold_reads_of_the_disk_cache_stream_its_segments_in(tmp_path, state_dir, knob):
     """Epoch 2 of a 2-rank mount: rank 0 reads the blobs rank 1 holds from its disk cache of
     remote blobs. With the cache's segments (and rank 0's copy) evicted, reads that find them

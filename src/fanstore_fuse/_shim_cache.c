@@ -73,6 +73,13 @@ static void close_slot(struct seg *s) {
 /* Whether `s` holds an fd no reader may take any more (evicted, or of an earlier cache). */
 static int stale(const struct seg *s) { return s->gen != cache.gen || s->number <= cache.gone; }
 
+/* Segment file `number` of the cache directory `dirfd`, read-only; -1 when it is not there. */
+static int open_segment(int dirfd, uint64_t number) {
+    char name[40];
+    snprintf(name, sizeof(name), "seg-%012llu.fsc", (unsigned long long)number);
+    return openat(dirfd, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+}
+
 /* The pinned segment `number`, opened if need be; NULL when evicted or unopenable. Locked. */
 static struct seg *pin(uint64_t number) {
     if (number <= cache.gone || cache.dirfd < 0)
@@ -84,9 +91,7 @@ static struct seg *pin(uint64_t number) {
                 return NULL;
             close_slot(s);
         }
-        char name[40];
-        snprintf(name, sizeof(name), "seg-%012llu.fsc", (unsigned long long)number);
-        int fd = openat(cache.dirfd, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+        int fd = open_segment(cache.dirfd, number);
         if (fd < 0)
             return NULL;
         s->number = number;
@@ -214,9 +219,7 @@ int fanstore_cache_segment_fds(int *fds, int max) {
     int n = 0, misses = 0;
     /* the oldest may be unlinked before Python says so (cache_evicted): look a little further */
     for (; n < max && misses < 64; number++) {
-        char name[40];
-        snprintf(name, sizeof(name), "seg-%012llu.fsc", (unsigned long long)number);
-        int fd = openat(dirfd, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+        int fd = open_segment(dirfd, number);
         if (fd >= 0)
             fds[n++] = fd;
         else if (n > 0)

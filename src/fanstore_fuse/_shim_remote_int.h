@@ -169,10 +169,9 @@ void fsr_free_out(void *buf);
 /* The remote thread had nothing to do for a whole idle wait: drop the mappings' page-table
  * entries if small bare replies were sent since the last drop (_shim_remote_serve_map.c). */
 void fsr_maps_idle(void);
-/* Blobs offered to the disk cache and not yet announced to Python: announce them when the oldest
- * waited 20 ms (`now`, fsr_now()) or at once (now < 0); the remote thread's loop
- * (_shim_remote_py.c). */
-void fsr_offers_flush(double now);
+/* Blobs offered to the disk cache and not yet announced to Python: announce them once the
+ * oldest has waited 20 ms, or at once with `force`; the remote thread's loop (_shim_remote_py.c). */
+void fsr_offers_flush(int force);
 void fsr_maps_drop(void);
 void fsr_answered_bare(char *buf, size_t n, int source, int tag);
 /* _shim_remote_mpi.c: MPI and the remote thread */

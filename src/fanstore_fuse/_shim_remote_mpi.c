@@ -454,7 +454,7 @@ void *fsr_thread(void *unused) {
             chase = 0;
             continue;
         }
-        fsr_offers_flush(fsr_now()); /* blobs for the disk cache held back 20 ms at most */
+        fsr_offers_flush(0); /* blobs for the disk cache held back 20 ms at most */
         double timeout;
         int idle = 0; /* a whole idle wait: nothing in flight, nothing being chased */
         if (fsr_state.gathered != 1) {
@@ -485,7 +485,7 @@ void *fsr_thread(void *unused) {
                 fsr_take_pokes(fsr_state.wake_fd);
         } else if (idle) {
             fsr_maps_idle();
-            fsr_offers_flush(-1);
+            fsr_offers_flush(1);
         }
     }
     /* stopping: what is in flight will not be answered */

@@ -177,8 +177,8 @@ void fsr_verify_py(struct call *c, char *buf, size_t n) {
 
 /* Blobs offered to the disk cache wait in the list, unannounced, until 16 of them
  * (FANSTORE_OFFER_BATCH) or OFFER_BYTES are there, a Python call's outcome is pushed, or the
- * oldest has waited OFFER_WAIT_S (fsr_offers_flush, from the remote thread's loop): one wake-up of trio (and of the cache's writer thread) per batch
- * instead of two per blob. FANSTORE_OFFER_BATCH=1: every offer announced at once. */
+ * oldest has waited OFFER_WAIT_S (fsr_offers_flush, from the remote thread's loop): one
+ * wake-up of trio (and of the cache's writer thread) per batch instead of two per blob. FANSTORE_OFFER_BATCH=1: every offer announced at once. */
 #define OFFER_BYTES (8u << 20)
 static int poked;           /* announced: Python takes the list soon (fsr_state.lock) */
 static unsigned held, held_max; /* offers in the list not announced; the batch (0: unread) */
@@ -187,13 +187,13 @@ static int64_t held_since; /* when the oldest unannounced offer came, ns (0: non
 #define OFFER_WAIT_S 0.02
 
 static void push_finished(struct finished *f) {
-    if (held_max == 0) {
+    int offer = f->token == NULL;
+    pthread_mutex_lock(&fsr_state.lock);
+    if (held_max == 0) { /* the knob, read once */
         const char *k = getenv("FANSTORE_OFFER_BATCH");
         int v = k != NULL && *k ? atoi(k) : 16;
         held_max = v > 0 ? (unsigned)v : 1;
     }
-    int offer = f->token == NULL;
-    pthread_mutex_lock(&fsr_state.lock);
     f->next = finished_list;
     finished_list = f;
     if (offer) {
@@ -210,9 +210,9 @@ static void push_finished(struct finished *f) {
         fsr_poke(fsr_state.done_fd);
 }
 
-void fsr_offers_flush(double now) {
-    int64_t since = __atomic_load_n(&held_since, __ATOMIC_RELAXED);
-    if (since == 0 || (now >= 0 && now * 1e9 - (double)since < OFFER_WAIT_S * 1e9))
+void fsr_offers_flush(int force) {
+    int64_t since = __atomic_load_n(&held_since, __ATOMIC_RELAXED); /* one load when none */
+    if (since == 0 || (!force && fsr_now() * 1e9 - (double)since < OFFER_WAIT_S * 1e9))
         return;
     pthread_mutex_lock(&fsr_state.lock);
     int poke = !poked && finished_list != NULL;
