@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import _projection, _ringsim
+from . import _projection, _ringsim, _vmreclaim
 from ._fanstore import cli_command
 from ._profile import Profiler, daemon_pids, summarize
 from ._util import (
@@ -245,9 +245,11 @@ def measure_fan(fan: Fan, root: str, rels: list[str], cold: bool) -> dict:
     daemons = daemon_pids(fan.marker)
     before = cpu_snapshot(pids)
     disk = {p: disk_read_bytes(p) for p in daemons}
+    vm0 = _vmreclaim.snapshot()
     times = read_files(root, rels)
     used = cpu_since_by_pid(before)
     res = summary(times, sum(used.values()))
+    res["vm"] = _vmreclaim.since(vm0)
     # per daemon (in rank order) and the rest (mpiexec, hydra proxy)
     res["cpu_us_per_file_by_daemon"] = [used[p] / len(rels) * 1e6 for p in daemons if p in used]
     # whether a cold pass was cold: the disk bytes each daemon read, per file

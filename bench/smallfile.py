@@ -29,7 +29,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from . import _util
+from . import _util, _vmreclaim
 from ._util import REPO, Mount, log, register, run_cmd, teardown, teardown_all, wait_mounted
 from ._workload import read_rate
 from .cost import Fan, cpu_since, cpu_snapshot, prep_tree
@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         for rnd in range(args.rounds):
             for readers in (1, 4):
                 for k, (name, make) in enumerate(systems.items()):
+                    vm0 = _vmreclaim.snapshot(damon=True)
                     mnt = make(f"sf{k}")
                     try:
                         for cold in (True, False):
@@ -191,9 +192,13 @@ def main(argv: list[str] | None = None) -> int:
                             runs[name][_label(readers, cold)].append(r)
                             log(f"round {rnd} {name} {_label(readers, cold)}: "
                                 f"{r.get('files_per_s', 0):,.0f} files/s "
-                                f"{r['cpu_us_per_file']:,.0f} us CPU/file {r.get('error', '')}")
+                                f"{r['cpu_us_per_file']:,.0f} us CPU/file {r.get('error', '')}"
+                                f"{_vmreclaim.describe(r.get('vm', {}))}")
                     finally:
                         mnt.close()  # type: ignore[attr-defined]
+                    if (paged := _vmreclaim.since(vm0).get("damon_pageout_mib", 0)) >= 1:
+                        log(f"round {rnd} {name} {readers}r: DAMON paged out {paged:.0f} MiB "
+                            "during these passes")
     finally:
         teardown_all()
     load1 = os.getloadavg()

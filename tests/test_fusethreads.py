@@ -208,6 +208,27 @@ def test_request_threads_run_sched_batch_unless_turned_off(tmp_path, state_dir, 
         assert c["c_thread_answered"] >= 2 * len(files), c
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("knob", ["", "0", "400"])
+def test_request_threads_poll_for_the_next_request_unless_turned_off(tmp_path, state_dir, knob):
+    """After each request a thread polls /dev/fuse for up to FANSTORE_FUSE_SPIN_US (default
+    50; 0: never) while no CPU is wanted by more tasks than it can run, so one reader's next
+    request does not wait for a halted CPU to wake (docs/performance.md, seventeenth session).
+    One reader and a writer; every byte compared either way."""
+    env = {"FANSTORE_FUSE_SPIN_US": knob} if knob else {}
+    with _mount(tmp_path, state_dir, "1", env=env) as (m, files):
+        for _ in range(5):  # a busy machine refuses the spin while it is busy: read again
+            _read_and_write(m, files, 1, 1, 3)
+            c = _shim(m)
+            if knob == "0" or c["c_fuse_spin_hits"] > 0:
+                break
+        if knob == "0":
+            assert c["c_fuse_spins"] == 0 and c["c_fuse_spin_hits"] == 0, c
+        else:
+            assert c["c_fuse_spins"] > 0 and 0 < c["c_fuse_spin_hits"] <= c["c_fuse_spins"], c
+        assert c["c_thread_answered"] >= len(files), c
+
+
 @pytest.mark.timeout(120)
 def test_threads_off_keeps_pyfuse3s_loop(tmp_path, state_dir):
     with _mount(tmp_path, state_dir, "0") as (m, files):
