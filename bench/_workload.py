@@ -14,7 +14,7 @@ import subprocess
 import time
 from collections.abc import Sequence
 
-from . import _vmreclaim
+from . import _vmnoise
 from ._util import drop_caches
 
 BUF = 1 << 20  # 1 MiB reads
@@ -155,9 +155,9 @@ def read_rate(
 ) -> dict:
     shares = make_shares(root, files, readers, seed, split_large=large)
     dropped = drop_caches() if cold else False
-    vm0 = _vmreclaim.snapshot()
+    vm0 = _vmnoise.snapshot()
     r = run_parallel("read", shares, timeout)
-    r["vm"] = _vmreclaim.since(vm0)
+    r["vm"] = _vmnoise.since(vm0)
     expect = sum(s for _, s in files)
     if "error" not in r and r["bytes"] != expect:
         r["error"] = f"read {r['bytes']} bytes, expected {expect}"

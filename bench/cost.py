@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import _projection, _ringsim, _vmreclaim
+from . import _projection, _ringsim, _vmnoise
 from ._fanstore import cli_command
 from ._profile import Profiler, daemon_pids, summarize
 from ._util import (
@@ -245,11 +245,11 @@ def measure_fan(fan: Fan, root: str, rels: list[str], cold: bool) -> dict:
     daemons = daemon_pids(fan.marker)
     before = cpu_snapshot(pids)
     disk = {p: disk_read_bytes(p) for p in daemons}
-    vm0 = _vmreclaim.snapshot()
+    vm0 = _vmnoise.snapshot()
     times = read_files(root, rels)
     used = cpu_since_by_pid(before)
     res = summary(times, sum(used.values()))
-    res["vm"] = _vmreclaim.since(vm0)
+    res["vm"] = _vmnoise.since(vm0)
     # per daemon (in rank order) and the rest (mpiexec, hydra proxy)
     res["cpu_us_per_file_by_daemon"] = [used[p] / len(rels) * 1e6 for p in daemons if p in used]
     # whether a cold pass was cold: the disk bytes each daemon read, per file
@@ -324,7 +324,8 @@ def run_remote(work: Path, dest: Path, rels: list[str], envs: list[dict], rounds
                        cpu_us_per_file_runs=[round(d["cpu_us_per_file"]) for d in r],
                        p50_us_runs=[round(d["p50_us"]) for d in r],
                        p99_us_runs=[round(d["p99_us"]) for d in r],
-                       disk_bytes_per_file_runs=[d["disk_bytes_per_file_by_daemon"] for d in r])
+                       disk_bytes_per_file_runs=[d["disk_bytes_per_file_by_daemon"] for d in r],
+                       stolen_ms_runs=[d["vm"].get("stolen_ms") for d in r])
             out.append(res)
         if profile:  # an extra pass (sampling costs CPU): its figures are not reported
             drop_caches()
@@ -449,13 +450,14 @@ def print_table(res: dict) -> None:
         for r in [rc, *res.get("remote_ab", [])]:
             print(f"  remote CPU us/file per pass {r['env'] or 'default'}: {r['cpu_us_per_file_runs']}; "
                   f"p50 us {r.get('p50_us_runs')}, p99 us {r.get('p99_us_runs')}; "
-                  f"disk bytes/file read by rank 0, 1: {r['disk_bytes_per_file_runs']}")
+                  f"disk bytes/file read by rank 0, 1: {r['disk_bytes_per_file_runs']}; "
+                  f"ms stolen by the VM's host {r.get('stolen_ms_runs')}")
     if lc:
         print(f"  local disk bytes/file read by the daemon: {lc['disk_bytes_per_file_by_daemon']}")
     ls = res.get("local_cold_same")
     if ls and rc:
         print(f"  local CPU us/file per pass (the remote set, interleaved with the remote passes): "
-              f"{ls['cpu_us_per_file_runs']}")
+              f"{ls['cpu_us_per_file_runs']}; ms stolen by the VM's host {ls.get('stolen_ms_runs')}")
         print(f"  remote/local, the same files in the same rounds (medians): CPU "
               f"{rc['cpu_us_per_file'] / ls['cpu_us_per_file']:.2f}x (bar <= 1.5x), "
               f"p50 {rc['p50_us'] / ls['p50_us']:.2f}x (bar <= 2x)")

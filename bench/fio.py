@@ -28,7 +28,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from . import _vmreclaim
+from . import _vmnoise
 from ._anchors import SquashFuse, System
 from ._fanstore import FanStore
 from ._util import (
@@ -158,10 +158,10 @@ def measure(systems: list[System], size: int, runtime: int, files: list[str],
                         drop_caches()
                         pids = pids_with_arg(s.root) if s.is_fuse else []  # before fio names it
                         c0, t0 = cpu_snapshot(pids), time.perf_counter()
-                        vm0 = _vmreclaim.snapshot()
+                        vm0 = _vmnoise.snapshot()
                         r = run_fio(os.path.join(s.root, FILES[fk]), job, size, runtime)
                         r["wall_s"] = time.perf_counter() - t0
-                        r["vm"] = _vmreclaim.since(vm0)
+                        r["vm"] = _vmnoise.since(vm0)
                         if pids and r.get("ios"):
                             r["cpu_us_per_io"] = cpu_since(c0) / r["ios"] * 1e6
                     except Exception as e:  # noqa: BLE001 - one failed job must not end the run
@@ -172,7 +172,7 @@ def measure(systems: list[System], size: int, runtime: int, files: list[str],
                     runs[s.key].append(r)
                     log(f"fio {fk} {job} {s.key}: " + (r.get("error") or
                         f"{r['iops']:.0f} IOPS {r['MiB_s']:.0f} MiB/s"
-                        f"{_vmreclaim.describe(r.get('vm', {}))}"))  # fmt: skip
+                        f"{_vmnoise.describe(r.get('vm', {}))}"))  # fmt: skip
             for key, rs in runs.items():
                 res.setdefault(fk, {}).setdefault(job, {})[key] = _median_run(rs, unit)
     return res

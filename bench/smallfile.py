@@ -29,7 +29,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from . import _util, _vmreclaim
+from . import _util, _vmnoise
 from ._util import REPO, Mount, log, register, run_cmd, teardown, teardown_all, wait_mounted
 from ._workload import read_rate
 from .cost import Fan, cpu_since, cpu_snapshot, prep_tree
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         for rnd in range(args.rounds):
             for readers in (1, 4):
                 for k, (name, make) in enumerate(systems.items()):
-                    vm0 = _vmreclaim.snapshot(damon=True)
+                    vm0 = _vmnoise.snapshot(damon=True)
                     mnt = make(f"sf{k}")
                     try:
                         for cold in (True, False):
@@ -193,10 +193,10 @@ def main(argv: list[str] | None = None) -> int:
                             log(f"round {rnd} {name} {_label(readers, cold)}: "
                                 f"{r.get('files_per_s', 0):,.0f} files/s "
                                 f"{r['cpu_us_per_file']:,.0f} us CPU/file {r.get('error', '')}"
-                                f"{_vmreclaim.describe(r.get('vm', {}))}")
+                                f"{_vmnoise.describe(r.get('vm', {}))}")
                     finally:
                         mnt.close()  # type: ignore[attr-defined]
-                    if (paged := _vmreclaim.since(vm0).get("damon_pageout_mib", 0)) >= 1:
+                    if (paged := _vmnoise.since(vm0).get("damon_pageout_mib", 0)) >= 1:
                         log(f"round {rnd} {name} {readers}r: DAMON paged out {paged:.0f} MiB "
                             "during these passes")
     finally:

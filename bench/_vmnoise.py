@@ -1,4 +1,9 @@
-"""What this VM's memory management did during a timed pass: the bench's silent third party.
+"""What the VM's host and memory management did during a timed pass: the bench's silent third
+party.
+
+- **CPU time stolen by the host** (the steal column of /proc/stat): the vCPUs wanted to run and
+  the hypervisor ran something else. FUSE file systems pay it on every round trip between the
+  reader and the daemon; ext4 with no daemon much less.
 
 Two kernel features of the bench machine take memory from under a pass (seventeenth session,
 docs/performance.md):
@@ -25,6 +30,7 @@ zero. Passes log what happened during them, so a slow pass can be told from a sl
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 DAMON = Path("/sys/kernel/mm/damon/admin/kdamonds")
@@ -71,18 +77,29 @@ def _refaulted_bytes() -> int | None:
     return None
 
 
+def _stolen_ms() -> int | None:
+    """CPU time the host took from this VM's vCPUs so far (all of them), in milliseconds."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) * 1000 // os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def snapshot(damon: bool = False) -> dict[str, int | None]:
-    snap = {"refaulted": _refaulted_bytes(), "reported": _reported_bytes()}
+    snap = {"stolen": _stolen_ms(), "refaulted": _refaulted_bytes(), "reported": _reported_bytes()}
     if damon:
         snap["damon_pageout"] = _damon_pageout_bytes()
     return snap
 
 
 def since(before: dict[str, int | None]) -> dict[str, float]:
-    """MiB paged out by DAMON and reported to the host since `before` (keys absent when the
-    machine has no such counter)."""
+    """Since `before`: ms stolen, MiB refaulted, paged out by DAMON and reported to the host
+    (keys absent when the machine has no such counter)."""
     now = snapshot(damon="damon_pageout" in before)
-    return {f"{k}_mib": round((now[k] - b) / (1 << 20), 1)  # type: ignore[operator]
+    return {(f"{k}_ms" if k == "stolen" else f"{k}_mib"):
+            (now[k] - b if k == "stolen" else round((now[k] - b) / (1 << 20), 1))  # type: ignore[operator]
             for k, b in before.items() if b is not None and now.get(k) is not None}
 
 
@@ -90,6 +107,8 @@ def describe(d: dict[str, float]) -> str:
     """'' when nothing happened, else e.g. ' [vm: 12 MiB refaulted, 410 MiB reported to the
     host]'."""
     parts = []
+    if d.get("stolen_ms", 0) >= 10:
+        parts.append(f"{d['stolen_ms']:.0f} ms of CPU stolen by the host")
     if d.get("refaulted_mib", 0) >= 1:
         parts.append(f"{d['refaulted_mib']:.0f} MiB refaulted")
     if d.get("damon_pageout_mib", 0) >= 1:
