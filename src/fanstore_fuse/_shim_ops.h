@@ -31,6 +31,7 @@ int fanstore_answered(const struct fuse_buf *buf, int len, int on_trio);
 /* _shim_threads.c: requests read by C threads (FANSTORE_FUSE_THREADS), the rest queued for the
  * trio thread. */
 extern __thread int fanstore_c_thread;                /* 1 on those threads */
+extern __thread int fanstore_reply_later; /* the request just taken is answered by another thread */
 int fanstore_threads_on(struct fuse_session *se);    /* the threads read `se`'s requests */
 int fanstore_threads_fd(void);                        /* readable while the queue holds one */
 int fanstore_threads_pop(struct fuse_buf *buf);       /* the next queued request (-EINTR: none) */

@@ -283,8 +283,10 @@ static void read_in_c(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
                       struct fuse_file_info *fi) {
     struct job jb = {req, ino, (uint64_t)off, (uint32_t)size, fi->flags};
     if (off < 0 || !read_here(ino, fi->fh, (uint64_t)off, size)) {
-        if (fanstore_c_thread) /* a remote READ whose fetch could not start: Python reads it */
+        if (fanstore_c_thread) { /* a remote READ whose fetch could not start: Python reads it */
+            fanstore_reply_later = 1;
             to_python(&jb);
+        }
         else
             py_read(req, ino, size, off, fi);
         return;
@@ -317,6 +319,7 @@ static void read_in_c(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
             }
         }
     }
+    fanstore_reply_later = 1; /* a READ thread or Python answers it */
     if (enqueue(&jb))
         return;
     if (fanstore_c_thread) /* more READs waiting than QUEUE: Python takes it */

@@ -167,7 +167,10 @@ int fanstore_remote_answered(uint64_t ino, const void *body, size_t left) {
     memcpy(&fh, body, 8); /* struct fuse_read_in: fh, offset, size, ... */
     memcpy(&off, (const char *)body + 8, 8);
     memcpy(&size, (const char *)body + 16, 4);
-    return take(ino, fh, off, size, &r);
+    int taken = take(ino, fh, off, size, &r);
+    if (taken)
+        fanstore_reply_later = 1; /* answered when its blob arrives (or from a slot at once) */
+    return taken;
 }
 
 static void *fallback_main(void *arg) {

@@ -52,8 +52,11 @@
  * VM exit) costs more than the answer; a bare-metal CPU in a deep C-state pays its exit
  * latency the same way. Polled, one reader's warm files/s went 1.8-2x and cold ~1.6x, for
  * ~22 us more of the daemon's CPU per warm file (the polling is CPU time, and counted so);
- * with 4 readers the gate leaves it off (docs/performance.md, seventeenth session). Counters:
- * c_fuse_spins, c_fuse_spin_hits (a request came within the window).
+ * with 4 readers the gate leaves it off (docs/performance.md, seventeenth session). No poll
+ * follows a request whose answer another thread sends (fanstore_reply_later: a remote fetch,
+ * a READ thread, trio): its reader sends nothing until then, and polling cost the thread
+ * ~110 us per remote file. Counters: c_fuse_spins, c_fuse_spin_hits (a request came within
+ * the window).
  *
  * A thread that reads an error other than EINTR/EAGAIN/ENOENT (ENODEV: unmounted) ends the
  * session as libfuse's loop would: the queue then says 0 (or -errno) to pyfuse3 forever. The
@@ -87,6 +90,7 @@
 #define COPY_MAX (128u << 10)        /* larger requests (WRITE) hand over the thread's buffer */
 
 __thread int fanstore_c_thread; /* 1 on the threads below */
+__thread int fanstore_reply_later; /* set by whoever leaves the answer to another thread */
 
 typedef void (*process_t)(struct fuse_session *, const struct fuse_buf *);
 typedef int (*session_fd_t)(struct fuse_session *);
@@ -227,8 +231,11 @@ static void *thread_main(void *arg) {
     }
     pthread_cleanup_push(free_buffer, &mem);
     for (;;) {
-        if (spin_ns > 0 && cpu_to_spare())
+        /* a reader whose request another thread answers (a remote fetch, a READ thread, trio)
+         * sends nothing meanwhile: no poll then */
+        if (spin_ns > 0 && !fanstore_reply_later && cpu_to_spare())
             spin_for_request();
+        fanstore_reply_later = 0;
         pthread_setcancelstate(PTHREAD_CANCEL_ENABLE, NULL);
         ssize_t n = read(dev_fd, mem, bufsize);
         pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, NULL);
@@ -242,8 +249,10 @@ static void *thread_main(void *arg) {
         if (fanstore_answered(&fb, (int)n, 0)) {
             real_process(tse, &fb);
             __atomic_add_fetch(&answered, 1, __ATOMIC_RELAXED);
-        } else
+        } else {
             push(&mem, (size_t)n);
+            fanstore_reply_later = 1;
+        }
     }
     pthread_cleanup_pop(1);
     return NULL;
