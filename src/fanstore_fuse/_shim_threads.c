@@ -209,22 +209,20 @@ static int cpu_to_spare(void) {
  * stops as soon as more tasks want to run than there are CPUs. Returns 2 when a request was
  * already waiting at the first look, 1 when one came while polling, 0 when none came. */
 static int spin_for_request(void) {
-    struct timespec t0, t1;
     struct pollfd p = {.fd = dev_fd, .events = POLLIN};
     if (poll(&p, 1, 0) > 0)
         return 2;
     if (!cpu_to_spare())
         return 0;
     __atomic_add_fetch(&spins, 1, __ATOMIC_RELAXED);
-    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int64_t until = now_ns() + spin_ns;
     for (;;) {
         sched_yield();
         if (poll(&p, 1, 0) > 0) {
             __atomic_add_fetch(&spin_hits, 1, __ATOMIC_RELAXED);
             return 1;
         }
-        clock_gettime(CLOCK_MONOTONIC, &t1);
-        if ((t1.tv_sec - t0.tv_sec) * 1000000000LL + (t1.tv_nsec - t0.tv_nsec) > spin_ns)
+        if (now_ns() > until)
             return 0;
         if (!cpu_to_spare()) /* a task waits for a CPU, perhaps the other one: sleep, so that */
             return 0;        /* this one goes idle and takes it */
