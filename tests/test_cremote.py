@@ -319,6 +319,33 @@ def test_peers_of_one_host_ring_a_local_bell(tmp_path, mount_factory, knob):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("knob", ["", "0"])
+def test_the_requesting_thread_takes_its_own_reply(tmp_path, mount_factory, knob):
+    """A C FUSE thread that takes a remote READ of a small blob sends the request itself with
+    its own reply bell in it (`_shim_remote_tbell.c`): the server rings that bell
+    (`thread_rings`) and the thread receives and answers the reply (`thread_replies`), so the
+    requesting rank's remote thread is neither poked nor rung. `FANSTORE_CREMOTE_REPLY_BELL=0`:
+    the remote thread sends every request and takes every reply. Every file byte for byte from
+    both ranks."""
+    data = _small_tree(tmp_path)
+    m = _mount_small(tmp_path, mount_factory, {"FANSTORE_CREMOTE_REPLY_BELL": knob} if knob else {})
+    for mp in m.mountpoints:
+        _read_all(mp, data)
+    rs = status_ranks(m.status())
+    for r in rs:
+        c = r["c_remote"]
+        assert c["c_reads"] > 0 and c["served"] > 0, r
+        assert c["corrupt"] == c["timeouts"] == c["c_read_fallbacks"] == 0, r
+        if knob == "0":
+            assert c["thread_replies"] == c["thread_rings"] == c["direct_sends"] == 0, c
+        else:  # nearly every reply: a reply may reach the remote thread first (woken meanwhile)
+            assert c["thread_replies"] >= c["c_reads"] // 2 and c["direct_sends"] > 0, c
+    if knob != "0":
+        rings = sum(r["c_remote"]["thread_rings"] for r in rs)
+        assert rings >= sum(r["c_remote"]["thread_replies"] for r in rs), rs
+
+
+@pytest.mark.timeout(240)
 def test_remote_reads_with_reads_in_c_off(src_tree, tmp_path, mount_factory):
     """`FANSTORE_FASTREAD=0` on 2 ranks: the C request threads leave remote READs to the trio
     thread (a READ they took and then gave up on would reach pyfuse3's handler without the

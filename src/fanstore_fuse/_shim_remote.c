@@ -186,14 +186,15 @@ void *fsr_worker(void *unused) {
             int again, tag;
             char *reply = fsr_serve(&j->h, 0, &n, &again, &tag);
             COUNT(served_io);
+            uint16_t bell = fsr_request_bell(&j->h);
             /* fsr_send frees a reply MPI refused (the peer times out): it is never queued then */
             if (reply != NULL && fsr_direct && fsr_mpi_fresh())
-                fsr_send(j->source, tag, reply, n, 2e-3); /* no hop to the remote thread */
+                fsr_send(j->source, bell, tag, reply, n, 2e-3); /* no hop to the remote thread */
             else if (reply != NULL && fsr_worker_sends(n)) {
-                if (fsr_send(j->source, tag, reply, n, 0) == 0)
+                if (fsr_send(j->source, bell, tag, reply, n, 0) == 0)
                     COUNT(worker_sends); /* eager: complete at once */
             } else if (reply != NULL)
-                fsr_queue_out(j->source, tag, reply, n);
+                fsr_queue_out(j->source, bell, tag, reply, n);
         }
         free(j);
     }
@@ -265,8 +266,14 @@ int fsr_add_call(const struct call *proto, double timeout) {
     if (!fanstore_remote_ready() || proto->owner < 0 || proto->owner >= fsr_state.size ||
         proto->owner == fsr_state.rank || proto->blob >= fanstore_blobs.n)
         return -EAGAIN;
-    /* direct: only a C FUSE thread, which another takes over if it stays inside MPI */
-    int direct = fsr_direct && fanstore_threads_direct_ok() && fsr_mpi_fresh();
+    /* direct: only a C FUSE thread, which another takes over if it stays inside MPI; one that
+     * waits for a small whole blob on its own reply bell sends its request itself too (it
+     * calls MPI for the reply anyway), so no thread is woken on this rank for the call */
+    uint16_t bell = proto->op == FSR_OP_FETCH && !proto->python && proto->hi - proto->lo <= DECODE_INLINE
+                        ? fsr_thread_bell() : 0;
+    int direct = (fsr_direct || bell) && fanstore_threads_direct_ok() && fsr_mpi_fresh();
+    if (!direct)
+        bell = 0;
     struct call *c = malloc(sizeof(*c));
     struct fsr_header *h = direct ? malloc(sizeof(*h)) : NULL;
     if (c == NULL || (direct && h == NULL)) {
@@ -276,6 +283,7 @@ int fsr_add_call(const struct call *proto, double timeout) {
     }
     *c = *proto;
     c->posted = direct;
+    c->bell = bell;
     pthread_mutex_lock(&fsr_state.lock);
     if (fsr_state.stopping) { /* remote_stop sets it under the lock: nobody would finish it */
         pthread_mutex_unlock(&fsr_state.lock);
@@ -296,9 +304,13 @@ int fsr_add_call(const struct call *proto, double timeout) {
         fsr_poke(fsr_state.wake_fd); /* the remote thread sends the request */
         return 0;
     }
+    if (bell)
+        fsr_thread_call(proto->owner, id); /* before the send: the reply may come at once */
     COUNT(direct_sends);
     fanstore_threads_mpi(1);
-    fsr_send_request(proto, id, h);
+    struct call p = *proto;
+    p.bell = bell;
+    fsr_send_request(&p, id, h);
     fanstore_threads_mpi(0);
     return 0;
 }
@@ -340,6 +352,7 @@ PyObject *fanstore_py_remote_start(PyObject *self, PyObject *args) {
     fsr_state.size = size;
     fsr_state.stopping = fsr_state.ready = fsr_state.gathered = 0;
     fsr_read_knobs();
+    fsr_tbell_knobs();
     memset(&fsr_stats, 0, sizeof(fsr_stats));
     if (fsr_state.suspect_until == NULL)
         fsr_state.suspect_until = calloc((size_t)size, sizeof(int64_t)); /* NULL: nobody suspect */
@@ -431,7 +444,7 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
     return Py_BuildValue(
-        "{sisisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "reading", fanstore_remote_reading(), "bells",
+        "{sisisisKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "ready", fanstore_remote_ready(), "reading", fanstore_remote_reading(), "bells",
         fsr_state.gathered == 1, "polls", fsr_stats.polls, "bell_wakes", fsr_stats.bell_wakes, "served", fsr_stats.served,
         "served_io", fsr_stats.served_io, "served_bytes", fsr_stats.served_bytes, "bad_requests", fsr_stats.bad_requests,
         "error_replies", fsr_stats.error_replies, "fetched", fsr_stats.fetched, "fetched_bytes", fsr_stats.fetched_bytes,
@@ -445,5 +458,6 @@ PyObject *fanstore_py_remote_stats(PyObject *self, PyObject *unused) {
         "py_in_place", fsr_stats.py_in_place, "local_rings", fsr_stats.local_rings, "map_zaps", fsr_stats.map_zaps,
         "probe_again", fsr_stats.probe_again, "probe_found", fsr_stats.probe_found, "direct_sends",
         fsr_stats.direct_sends, "verified_by_reaper", fsr_stats.verified_by_reaper, "offer_pokes", fsr_stats.offer_pokes,
-        "fuse_spares", fanstore_threads_spares());
+        "thread_rings", fsr_stats.thread_rings, "thread_replies", fsr_stats.thread_replies, "thread_waits",
+        fsr_stats.thread_waits, "fuse_spares", fanstore_threads_spares());
 }

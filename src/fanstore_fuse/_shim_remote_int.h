@@ -6,6 +6,7 @@
 #define FANSTORE_SHIM_REMOTE_INT_H
 #include <errno.h>
 #include <netinet/in.h>
+#include <sys/un.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -53,12 +54,15 @@ struct call { /* one request of this rank, in flight */
     int op;
     uint64_t lo, hi; /* the request's range (FETCH: stored, the whole blob; FRAMES: raw) */
     int python;      /* FETCH from Python's remote_fetch: verified by fsr_verify_py */
+    uint16_t bell;   /* the requesting FUSE thread's reply bell (its UDP port, network order;
+                        0: the rank's bell, the remote thread takes the reply) */
 };
 
 struct out { /* a message for the remote thread to send, or one sent already (`posted`: its
                 request `req` for the remote thread to complete) */
     struct out *next;
     int dest, tag, req, posted;
+    uint16_t bell; /* the bell rung at `dest` (0: its rank's) */
     char *buf;
     size_t n;
 };
@@ -112,7 +116,7 @@ struct fsr_stats {
         verified_by_worker, open_calls, peak_calls, c_reads, c_read_bytes, c_read_fallbacks,
         cache_offers, c_range_reads, c_chunk_hits, c_fetch_ahead, send_waits, worker_sends,
         served_mapped, py_in_place, local_rings, map_zaps, probe_again, probe_found, direct_sends,
-        verified_by_reaper, offer_pokes;
+        verified_by_reaper, offer_pokes, thread_rings, thread_replies, thread_waits;
 };
 extern struct fsr_stats fsr_stats;
 
@@ -176,14 +180,34 @@ void fsr_maps_drop(void);
 void fsr_answered_bare(char *buf, size_t n, int source, int tag);
 /* _shim_remote_mpi.c: MPI and the remote thread */
 const char *fsr_find_mpi(const char *path);
-void fsr_queue_out(int dest, int tag, char *buf, size_t n);
+/* `bell`: the bell to ring at `dest` after sending, a requester thread's (fsr_request_bell), or
+ * 0: its rank's remote thread */
+void fsr_queue_out(int dest, uint16_t bell, int tag, char *buf, size_t n);
 /* Send from any thread (`buf` taken over): 0, or -1 if MPI refused (buf freed). A send not
  * complete at once is tested by this thread for up to `linger` seconds (sleeping between tests,
  * the first after the usual completion time), then handed to the remote thread. */
-int fsr_send(int dest, int tag, char *buf, size_t n, double linger);
+int fsr_send(int dest, uint16_t bell, int tag, char *buf, size_t n, double linger);
 /* Send call `id`'s request (`h`, taken over) from this thread; a refusal ends the call (EIO). */
 void fsr_send_request(const struct call *proto, uint64_t id, struct fsr_header *h);
 void fsr_bells_close(void); /* the local bell socket (remote_stop, the threads joined) */
+/* The abstract name of the local bell of UDP port `port` (network order): a rank's, or a FUSE
+ * thread's reply bell (_shim_remote_tbell.c) */
+socklen_t fsr_bell_name(struct sockaddr_un *a, uint16_t port);
+int fsr_local_bells(void); /* local bells in use (FANSTORE_CREMOTE_LOCAL_BELL) */
+/* The reply bell a request names: its `err` field, a requester thread's UDP port (network
+ * order), or 0 (ring the requester's rank) */
+static inline uint16_t fsr_request_bell(const struct fsr_header *h) {
+    return h->err > 0 && h->err <= 0xffff ? (uint16_t)h->err : 0;
+}
+/* One reply matched by Improbe (`msg`, `st`): received and handed to its call (fsr_answered,
+ * fsr_answered_bare); 0, or -1 if MPI failed to receive it. */
+int fsr_take_reply(int *msg, const struct mpi_status *st);
+/* _shim_remote_tbell.c: the reply bells of the C FUSE threads. On a C FUSE thread, the port
+ * of its reply bell (opened on first use), or 0 (not such a thread, off, no socket, or as many
+ * of its calls in flight as it follows); fsr_thread_call records a call made with it. */
+uint16_t fsr_thread_bell(void);
+void fsr_thread_call(int owner, uint64_t id);
+void fsr_tbell_knobs(void); /* FANSTORE_CREMOTE_REPLY_BELL (remote_start) */
 void fsr_read_knobs(void); /* FANSTORE_CREMOTE_DIRECT, FANSTORE_MPI_BELL_IDLE (remote_start) */
 /* Whether a worker sends its reply of n bytes itself (FANSTORE_CREMOTE_WORKER_SEND, on by
  * default): only a reply that is likely eager, and only while the remote thread is not stuck in

@@ -42,7 +42,7 @@ static int ubell_fd = -1;
 static struct sockaddr_un *upeers; /* per rank, with ulen[rank] its length (0: use UDP) */
 static socklen_t *ulen;
 
-static socklen_t bell_name(struct sockaddr_un *a, uint16_t port) { /* port: network order */
+socklen_t fsr_bell_name(struct sockaddr_un *a, uint16_t port) { /* port: network order */
     memset(a, 0, sizeof(*a));
     a->sun_family = AF_UNIX; /* sun_path[0] 0: abstract, gone with the socket */
     int k = snprintf(a->sun_path + 1, sizeof(a->sun_path) - 1, "fanstore-bell-%u", (unsigned)ntohs(port));
@@ -50,17 +50,21 @@ static socklen_t bell_name(struct sockaddr_un *a, uint16_t port) { /* port: netw
 }
 
 static void local_bell_open(uint16_t port) {
-    const char *knob = getenv("FANSTORE_CREMOTE_LOCAL_BELL");
-    if (port == 0 || (knob != NULL && strcmp(knob, "0") == 0))
+    if (port == 0 || !fsr_local_bells())
         return;
     struct sockaddr_un me;
-    socklen_t n = bell_name(&me, port);
+    socklen_t n = fsr_bell_name(&me, port);
     int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd >= 0 && bind(fd, (struct sockaddr *)&me, n) != 0) {
         close(fd);
         fd = -1;
     }
     ubell_fd = fd;
+}
+
+int fsr_local_bells(void) {
+    const char *knob = getenv("FANSTORE_CREMOTE_LOCAL_BELL");
+    return knob == NULL || strcmp(knob, "0") != 0;
 }
 
 static void local_bell_peers(void) { /* after fsr_take_bells */
@@ -70,7 +74,7 @@ static void local_bell_peers(void) { /* after fsr_take_bells */
     for (int r = 0; r < fsr_state.size; r++)
         if (r != fsr_state.rank && fsr_state.peers[r].sin_port &&
             memcmp(fsr_state.bell_table + (size_t)r * BELL_RECORD, fsr_state.bell_mine, 64) == 0)
-            ulen[r] = bell_name(&upeers[r], fsr_state.peers[r].sin_port);
+            ulen[r] = fsr_bell_name(&upeers[r], fsr_state.peers[r].sin_port);
 }
 
 void fsr_bells_close(void) {
@@ -100,6 +104,32 @@ static void fsr_ring(int dest) {
                  sizeof(fsr_state.peers[dest]));
 }
 
+/* Ring `bell` (a requester thread's reply bell, by its UDP port) at rank `dest`: by its local
+ * name on this host, else by UDP to that port of the rank's address; 0, or a bell that cannot
+ * be rung (its thread gone: ECONNREFUSED): the rank's own bell, whose remote thread then takes
+ * the reply. A UDP ring to a closed port is lost: the calls' 5 ms polls take the reply then. */
+static void fsr_ring_bell(int dest, uint16_t bell) {
+    if (bell == 0 || fsr_state.peers == NULL || dest < 0 || dest >= fsr_state.size || !fsr_state.peers[dest].sin_port) {
+        fsr_ring(dest);
+        return;
+    }
+    socklen_t n = ulen != NULL ? __atomic_load_n(&ulen[dest], __ATOMIC_RELAXED) : 0;
+    ssize_t sent;
+    if (n != 0) {
+        struct sockaddr_un a;
+        socklen_t k = fsr_bell_name(&a, bell);
+        sent = sendto(ubell_fd, "", 1, MSG_DONTWAIT, (struct sockaddr *)&a, k);
+    } else {
+        struct sockaddr_in a = fsr_state.peers[dest];
+        a.sin_port = bell;
+        sent = sendto(fsr_state.bell_fd, "", 1, MSG_DONTWAIT, (struct sockaddr *)&a, sizeof(a));
+    }
+    if (sent == 1 || errno == EAGAIN) /* EAGAIN: its queue is full of bells already */
+        COUNT(thread_rings);
+    else
+        fsr_ring(dest);
+}
+
 static void fsr_track(int req, char *buf) {
     if (fsr_state.nsends == fsr_state.capsends) {
         size_t cap = fsr_state.capsends ? 2 * fsr_state.capsends : 16;
@@ -114,7 +144,7 @@ static void fsr_track(int req, char *buf) {
 
 /* Send `buf` (malloc'd, taken over) to `dest` from the remote thread: 0, or -1 if MPI refused
  * (buf freed). */
-static int fsr_post(int dest, int tag, char *buf, size_t n) {
+static int fsr_post(int dest, uint16_t bell, int tag, char *buf, size_t n) {
     int req, flag = 0;
     if (fsr_mpi.Isend(buf, (int)n, fsr_state.byte, dest, tag, fsr_state.comm, &req) != 0) {
         COUNT(send_errors);
@@ -122,7 +152,7 @@ static int fsr_post(int dest, int tag, char *buf, size_t n) {
         return -1;
     }
     int done = fsr_mpi.Test(&req, &flag, MPI_STATUS_IGNORE_) == 0 && flag; /* progress first */
-    fsr_ring(dest);
+    fsr_ring_bell(dest, bell);
     if (done)
         fsr_free_out(buf); /* eager: complete at once */
     else
@@ -135,7 +165,7 @@ int fsr_mpi_fresh(void) {
     return since == 0 || (int64_t)(fsr_now() * 1e9) - since < STUCK_NS;
 }
 
-int fsr_send(int dest, int tag, char *buf, size_t n, double linger) {
+int fsr_send(int dest, uint16_t bell, int tag, char *buf, size_t n, double linger) {
     int req, flag = 0;
     if (fsr_mpi.Isend(buf, (int)n, fsr_state.byte, dest, tag, fsr_state.comm, &req) != 0) {
         COUNT(send_errors);
@@ -149,7 +179,7 @@ int fsr_send(int dest, int tag, char *buf, size_t n, double linger) {
     for (double wait = 20e-6, waited = 0;; wait = wait * 2 < 1e-3 ? wait * 2 : 1e-3) {
         int done = fsr_mpi.Test(&req, &flag, MPI_STATUS_IGNORE_) != 0 || flag;
         if (!rung++)
-            fsr_ring(dest);
+            fsr_ring_bell(dest, bell);
         if (done) {
             fsr_free_out(buf);
             return 0;
@@ -164,7 +194,7 @@ int fsr_send(int dest, int tag, char *buf, size_t n, double linger) {
     struct out *o = malloc(sizeof(*o)); /* the remote thread completes it */
     if (o == NULL)
         abort(); /* the send is posted; its buffer must outlive it */
-    *o = (struct out){NULL, dest, tag, req, 1, buf, n};
+    *o = (struct out){NULL, dest, tag, req, 1, bell, buf, n};
     pthread_mutex_lock(&fsr_state.lock);
     o->next = fsr_state.outq;
     fsr_state.outq = o;
@@ -177,8 +207,9 @@ void fsr_send_request(const struct call *proto, uint64_t id, struct fsr_header *
     /* sent from this thread (MPI_THREAD_MULTIPLE): no wake-up of the remote thread, which
      * may already have the reply (and freed the call) when fsr_send returns */
     int owner = proto->owner;
-    *h = (struct fsr_header){FSR_MAGIC, FSR_VERSION, (uint8_t)proto->op, 0, id, proto->blob, proto->lo, proto->hi};
-    if (fsr_send(owner, FSR_TAG_REQUEST, (char *)h, sizeof(*h), 0) != 0) {
+    /* err: the reply bell (a request's err is otherwise 0) */
+    *h = (struct fsr_header){FSR_MAGIC, FSR_VERSION, (uint8_t)proto->op, proto->bell, id, proto->blob, proto->lo, proto->hi};
+    if (fsr_send(owner, 0, FSR_TAG_REQUEST, (char *)h, sizeof(*h), 0) != 0) {
         COUNT(peer_errors);
         fsr_suspect(owner);
         struct call *c = fsr_unlink_call(id);
@@ -221,13 +252,13 @@ static int fsr_progress_sends(void) {
     return moved;
 }
 
-void fsr_queue_out(int dest, int tag, char *buf, size_t n) {
+void fsr_queue_out(int dest, uint16_t bell, int tag, char *buf, size_t n) {
     struct out *o = malloc(sizeof(*o));
     if (o == NULL) {
         fsr_free_out(buf);
         return; /* the requester times out and reads another way */
     }
-    *o = (struct out){NULL, dest, tag, 0, 0, buf, n};
+    *o = (struct out){NULL, dest, tag, 0, 0, bell, buf, n};
     pthread_mutex_lock(&fsr_state.lock);
     struct out **p = &fsr_state.outq;
     while (*p)
@@ -279,12 +310,14 @@ static void fsr_post_gather(void) {
 
 static int fsr_start_calls(void) {
     struct fsr_header *todo[64];
+    uint16_t bells[64];
     int n = 0;
     pthread_mutex_lock(&fsr_state.lock);
     for (struct call *c = fsr_state.inflight; c != NULL && n < 64; c = c->next) {
         if (c->posted || (todo[n] = malloc(sizeof(struct fsr_header))) == NULL)
             continue; /* no memory: its deadline ends it */
         c->posted = 1;
+        bells[n] = c->bell;
         *todo[n++] = (struct fsr_header){FSR_MAGIC, FSR_VERSION, (uint8_t)c->op, c->owner, c->id, c->blob,
                                          c->lo, c->hi};
     }
@@ -292,10 +325,10 @@ static int fsr_start_calls(void) {
     fsr_state.outq = NULL;
     pthread_mutex_unlock(&fsr_state.lock);
     for (int i = 0; i < n; i++) {
-        int owner = todo[i]->err; /* carried here until sent: a request's err is 0 */
+        int owner = todo[i]->err; /* carried here until sent: a request's err is its reply bell */
         uint64_t id = todo[i]->id;
-        todo[i]->err = 0;
-        if (fsr_post(owner, FSR_TAG_REQUEST, (char *)todo[i], sizeof(struct fsr_header)) != 0) {
+        todo[i]->err = bells[i];
+        if (fsr_post(owner, 0, FSR_TAG_REQUEST, (char *)todo[i], sizeof(struct fsr_header)) != 0) {
             COUNT(peer_errors);
             fsr_suspect(owner);
             struct call *c = fsr_unlink_call(id);
@@ -309,11 +342,30 @@ static int fsr_start_calls(void) {
         if (o->posted)
             fsr_track(o->req, o->buf);
         else
-            fsr_post(o->dest, o->tag, o->buf, o->n);
+            fsr_post(o->dest, o->bell, o->tag, o->buf, o->n);
         free(o);
         o = next;
     }
     return moved;
+}
+
+int fsr_take_reply(int *msg, const struct mpi_status *st) {
+    int count = 0;
+    fsr_mpi.Get_count(st, fsr_state.byte, &count);
+    size_t pre = st->tag >= FSR_TAG_BARE ? sizeof(struct fsr_header) : 0; /* its header: ours */
+    char *buf = fanstore_data_alloc(pre + (count > 0 ? (size_t)count : 1));
+    if (buf == NULL)
+        abort(); /* a matched message must be received */
+    if (fsr_mpi.Mrecv(buf + pre, count, fsr_state.byte, msg, MPI_STATUS_IGNORE_) != 0) {
+        COUNT(peer_errors);
+        free(buf);
+        return -1;
+    }
+    if (pre)
+        fsr_answered_bare(buf, pre + (size_t)count, st->source, st->tag);
+    else
+        fsr_answered(buf, (size_t)count);
+    return 0;
 }
 
 /* Every message waiting, received and handled; `rung`: a bell rang, so a message is on its
@@ -339,32 +391,27 @@ static int fsr_receive(int rung) {
         if (!flag)
             break;
         moved = 1;
+        if (st.tag >= FSR_TAG_BARE || st.tag == FSR_TAG_REPLY) {
+            fsr_take_reply(&msg, &st);
+            continue;
+        }
         fsr_mpi.Get_count(&st, fsr_state.byte, &count);
-        size_t pre = st.tag >= FSR_TAG_BARE ? sizeof(struct fsr_header) : 0; /* its header: ours */
-        char *buf = fanstore_data_alloc(pre + (count > 0 ? (size_t)count : 1));
+        char *buf = malloc(count > 0 ? (size_t)count : 1);
         if (buf == NULL)
             abort(); /* a matched message must be received */
-        if (fsr_mpi.Mrecv(buf + pre, count, fsr_state.byte, &msg, MPI_STATUS_IGNORE_) != 0) {
+        if (fsr_mpi.Mrecv(buf, count, fsr_state.byte, &msg, MPI_STATUS_IGNORE_) != 0) {
             COUNT(peer_errors);
             free(buf);
             continue;
         }
         size_t n = (size_t)count;
-        if (pre) {
-            fsr_answered_bare(buf, pre + n, st.source, st.tag);
-            continue;
-        }
-        if (st.tag == FSR_TAG_REPLY) {
-            fsr_answered(buf, n);
-            continue;
-        }
         if (st.tag != FSR_TAG_REQUEST || n != sizeof(struct fsr_header)) {
             COUNT(bad_requests);
             if (n >= sizeof(struct fsr_header) && st.tag == FSR_TAG_REQUEST) {
                 size_t m;
                 char *err = fsr_error_reply((struct fsr_header *)buf, EPROTO, &m);
                 if (err != NULL) /* NULL: no memory; the peer times out */
-                    fsr_post(st.source, FSR_TAG_REPLY, err, m);
+                    fsr_post(st.source, fsr_request_bell((struct fsr_header *)buf), FSR_TAG_REPLY, err, m);
             }
             free(buf);
             continue;
@@ -373,7 +420,7 @@ static int fsr_receive(int rung) {
         int again, tag;
         char *reply = fsr_serve((struct fsr_header *)buf, 1, &m, &again, &tag);
         if (reply != NULL) {
-            fsr_post(st.source, tag, reply, m);
+            fsr_post(st.source, fsr_request_bell((struct fsr_header *)buf), tag, reply, m);
         } else {
             struct job *j = calloc(1, sizeof(*j));
             if (j != NULL) {

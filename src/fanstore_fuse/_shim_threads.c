@@ -186,7 +186,8 @@ static void free_buffer(void *mem) { free(*(char **)mem); }
 #define QUEUED_STREAK 8 /* one reader's RELEASE and next OPEN come as a pair: not a queue */
 static long long spin_ns; /* FANSTORE_FUSE_SPIN_US (microseconds), 0: no spin */
 static int ncpus, loadavg_fd = -1;
-static unsigned long long spins, spin_hits;
+static unsigned long long spins, spin_hits, spin_ns_total;
+static int spin_after_remote;
 
 /* Whether no CPU is wanted by more tasks than it can run: the running count of /proc/loadavg
  * (this thread included) at most the online CPUs. */
@@ -215,18 +216,22 @@ static int spin_for_request(void) {
     if (!cpu_to_spare())
         return 0;
     __atomic_add_fetch(&spins, 1, __ATOMIC_RELAXED);
-    int64_t until = now_ns() + spin_ns;
+    int64_t start = now_ns(), until = start + spin_ns;
+    int hit = 0;
     for (;;) {
         sched_yield();
         if (poll(&p, 1, 0) > 0) {
             __atomic_add_fetch(&spin_hits, 1, __ATOMIC_RELAXED);
-            return 1;
+            hit = 1;
+            break;
         }
         if (now_ns() > until)
-            return 0;
+            break;
         if (!cpu_to_spare()) /* a task waits for a CPU, perhaps the other one: sleep, so that */
-            return 0;        /* this one goes idle and takes it */
+            break;           /* this one goes idle and takes it */
     }
+    __atomic_add_fetch(&spin_ns_total, (unsigned long long)(now_ns() - start), __ATOMIC_RELAXED);
+    return hit;
 }
 
 static void *thread_main(void *arg) {
@@ -248,7 +253,12 @@ static void *thread_main(void *arg) {
          * QUEUED_STREAK times in a row, until a read sleeps), where a poll would only add a
          * system call to each (libaio 4 KiB reads: 8% fewer IOPS) */
         int64_t t_read = 0;
-        if (spin_ns > 0 && !fanstore_reply_later) {
+        if (fanstore_remote_own_calls() > 0) {
+            /* its remote READs answered here (_shim_remote_tbell.c); no poll after such an
+             * answer unless FANSTORE_FUSE_SPIN_AFTER_REMOTE=1 (A/B) */
+            if (fanstore_remote_wait_own(dev_fd) == 0 && spin_ns > 0 && spin_after_remote && spin_for_request() != 2)
+                queued = 0;
+        } else if (spin_ns > 0 && !fanstore_reply_later) {
             if (queued >= QUEUED_STREAK)
                 t_read = now_ns();
             else
@@ -307,6 +317,8 @@ static int start(struct fuse_session *se, int fd) {
     batch = b == NULL || strcmp(b, "0") != 0;
     const char *sp = getenv("FANSTORE_FUSE_SPIN_US");
     spin_ns = (sp != NULL ? atoll(sp) : SPIN_US_DEFAULT) * 1000LL;
+    const char *sar = getenv("FANSTORE_FUSE_SPIN_AFTER_REMOTE");
+    spin_after_remote = sar != NULL && strcmp(sar, "1") == 0;
     ncpus = (int)sysconf(_SC_NPROCESSORS_ONLN);
     if (spin_ns > 0 && loadavg_fd < 0)
         loadavg_fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
@@ -489,15 +501,16 @@ PyObject *fanstore_py_fuse_threads(PyObject *self, PyObject *args) {
 unsigned long long fanstore_threads_spares(void) { return __atomic_load_n(&spares, __ATOMIC_RELAXED); }
 
 /* fuse_thread_counts(): (threads running, requests answered on them, handed to trio, threads
- * started SCHED_BATCH, spins before a read, spins that found a request) */
+ * started SCHED_BATCH, spins before a read, spins that found a request, ns spent in spins) */
 PyObject *fanstore_py_fuse_thread_counts(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
-    return Py_BuildValue("(iKKKKK)", running, __atomic_load_n(&answered, __ATOMIC_RELAXED),
+    return Py_BuildValue("(iKKKKKK)", running, __atomic_load_n(&answered, __ATOMIC_RELAXED),
                          __atomic_load_n(&handed, __ATOMIC_RELAXED),
                          __atomic_load_n(&batched, __ATOMIC_RELAXED),
                          __atomic_load_n(&spins, __ATOMIC_RELAXED),
-                         __atomic_load_n(&spin_hits, __ATOMIC_RELAXED));
+                         __atomic_load_n(&spin_hits, __ATOMIC_RELAXED),
+                         __atomic_load_n(&spin_ns_total, __ATOMIC_RELAXED));
 }
 
 /* fuse_queued(): whether a request waits in the queue for pyfuse3 (_fusequeue.waiting). */
