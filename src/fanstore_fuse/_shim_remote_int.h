@@ -116,7 +116,8 @@ struct fsr_stats {
         verified_by_worker, open_calls, peak_calls, c_reads, c_read_bytes, c_read_fallbacks,
         cache_offers, c_range_reads, c_chunk_hits, c_fetch_ahead, send_waits, worker_sends,
         served_mapped, py_in_place, local_rings, map_zaps, probe_again, probe_found, direct_sends,
-        verified_by_reaper, offer_pokes, thread_rings, thread_replies, thread_waits;
+        verified_by_reaper, offer_pokes, thread_rings, thread_replies, thread_waits,
+        thread_wait_ns, thread_take_ns;
 };
 extern struct fsr_stats fsr_stats;
 

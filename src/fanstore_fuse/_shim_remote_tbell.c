@@ -55,6 +55,7 @@ static __thread uint16_t tb_port;  /* network order */
 static __thread struct {
     int owner;
     uint64_t id;
+    double sent; /* fsr_now() when recorded, just before its request was sent */
 } tb_calls[TB_MAX];
 static __thread int tb_n;
 
@@ -111,6 +112,7 @@ uint16_t fsr_thread_bell(void) {
 void fsr_thread_call(int owner, uint64_t id) {
     if (tb_n < TB_MAX) {
         tb_calls[tb_n].owner = owner;
+        tb_calls[tb_n].sent = fsr_now();
         tb_calls[tb_n++].id = id;
     }
 }
@@ -132,16 +134,23 @@ static int tb_prune(void) {
     return tb_n = k;
 }
 
-static void tb_take_rings(int fd) {
-    char b[16];
-    while (recv(fd, b, sizeof(b), MSG_DONTWAIT) > 0)
-        ;
+static void tb_take_rings(int fd) { /* one system call: ppoll wakes again for any left */
+    char bufs[TB_MAX][8];
+    struct iovec iov[TB_MAX];
+    struct mmsghdr m[TB_MAX];
+    memset(m, 0, sizeof(m));
+    for (int i = 0; i < TB_MAX; i++) {
+        iov[i] = (struct iovec){bufs[i], sizeof(bufs[i])};
+        m[i].msg_hdr.msg_iov = &iov[i];
+        m[i].msg_hdr.msg_iovlen = 1;
+    }
+    (void)recvmmsg(fd, m, TB_MAX, MSG_DONTWAIT, NULL);
 }
 
 /* The replies of this thread's calls that have come (after a bell, a probe that finds nothing
  * is made once more: MPICH's first probe may only move the message where the second sees it,
  * as in fsr_receive). */
-static void tb_receive(int rung) {
+static void tb_receive(int rung, double woke) {
     if (!fanstore_threads_direct_ok() || !fsr_mpi_fresh()) {
         fsr_poke(fsr_state.wake_fd); /* a thread is stuck inside MPI: the remote thread's turn */
         return;
@@ -156,8 +165,11 @@ static void tb_receive(int rung) {
                 (!flag && fsr_mpi.Improbe(owner, FSR_TAG_REPLY, fsr_state.comm, &flag, &msg, &st) != 0))
                 break;
             if (flag) {
-                if (fsr_take_reply(&msg, &st) == 0)
-                    COUNT(thread_replies);
+                if (fsr_take_reply(&msg, &st) == 0) {
+                    COUNT(thread_replies); /* where the time went: waiting, then taking it */
+                    ADD(thread_wait_ns, (unsigned long long)((woke - tb_calls[i].sent) * 1e9));
+                    ADD(thread_take_ns, (unsigned long long)((fsr_now() - woke) * 1e9));
+                }
                 break;
             }
         }
@@ -181,7 +193,7 @@ int fanstore_remote_wait_own(int dev_fd) {
         if (tb->local >= 0 && p[2].revents)
             tb_take_rings(tb->local);
         COUNT(thread_waits);
-        tb_receive(r > 0);
+        tb_receive(r > 0, fsr_now());
     }
     return 0;
 }
