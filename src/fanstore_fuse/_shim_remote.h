@@ -56,7 +56,9 @@ struct fsr_header {
     uint16_t magic;
     uint8_t version;
     uint8_t op;
-    int32_t err; /* reply: 0, or the errno of the failure (no bytes follow) */
+    int32_t err; /* reply: 0, or the errno of the failure (no bytes follow); request: the UDP
+                    port (network order) of the requesting thread's reply bell, or 0 (ring the
+                    requester's rank: _shim_remote_tbell.c); older servers ignore it */
     uint64_t id; /* chosen by the requester, echoed in the reply */
     uint64_t blob;
     uint64_t lo, hi; /* stored bytes of the blob; the reply carries hi - lo of them */
