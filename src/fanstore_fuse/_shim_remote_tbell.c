@@ -156,13 +156,15 @@ static void tb_receive(int rung, double woke) {
         return;
     }
     fanstore_threads_mpi(1);
-    for (int i = 0; i < tb_n; i++)
-        for (int k = 0; k < (rung ? 2 : 1); k++) {
+    for (int i = 0; i < tb_n; i++) {
+        /* most replies are bare: that tag first, again after a bell (the first probe's progress
+         * is what moves the message in), then FSR_TAG_REPLY (a reply with a header) */
+        int owner = tb_calls[i].owner, bare = FSR_TAG_BARE + (int)(tb_calls[i].id % FSR_BARE_IDS);
+        int tags[3] = {bare, rung ? bare : FSR_TAG_REPLY, FSR_TAG_REPLY};
+        for (int k = 0; k < (rung ? 3 : 2); k++) {
             int flag = 0, msg;
             struct mpi_status st;
-            int owner = tb_calls[i].owner, bare = FSR_TAG_BARE + (int)(tb_calls[i].id % FSR_BARE_IDS);
-            if (fsr_mpi.Improbe(owner, bare, fsr_state.comm, &flag, &msg, &st) != 0 ||
-                (!flag && fsr_mpi.Improbe(owner, FSR_TAG_REPLY, fsr_state.comm, &flag, &msg, &st) != 0))
+            if (fsr_mpi.Improbe(owner, tags[k], fsr_state.comm, &flag, &msg, &st) != 0)
                 break;
             if (flag) {
                 if (fsr_take_reply(&msg, &st) == 0) {
@@ -173,6 +175,7 @@ static void tb_receive(int rung, double woke) {
                 break;
             }
         }
+    }
     fanstore_threads_mpi(0);
 }
 
