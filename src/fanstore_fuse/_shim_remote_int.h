@@ -195,6 +195,7 @@ void fsr_bells_close(void); /* the local bell socket (remote_stop, the threads j
  * thread's reply bell (_shim_remote_tbell.c) */
 socklen_t fsr_bell_name(struct sockaddr_un *a, uint16_t port);
 int fsr_local_bells(void); /* local bells in use (FANSTORE_CREMOTE_LOCAL_BELL) */
+void fsr_take_rings(int fd); /* the bells rung on `fd`, taken in one recvmmsg (up to 16) */
 /* The reply bell a request names: its `err` field, a requester thread's UDP port (network
  * order), or 0 (ring the requester's rank) */
 static inline uint16_t fsr_request_bell(const struct fsr_header *h) {

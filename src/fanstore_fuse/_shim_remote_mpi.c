@@ -448,7 +448,7 @@ int fanstore_remote_suspect(int rank) {
 
 /* The bells that rang, in one recvmmsg (a drain loop's last read, the one that finds none, was
  * one more syscall per wake-up); ppoll wakes again at once for any left. */
-static void fsr_take_rings(int fd) {
+void fsr_take_rings(int fd) {
     char bufs[16][8];
     struct iovec iov[16];
     struct mmsghdr m[16];

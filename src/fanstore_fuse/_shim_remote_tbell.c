@@ -135,19 +135,6 @@ static int tb_prune(void) {
     return tb_n = k;
 }
 
-static void tb_take_rings(int fd) { /* one system call: ppoll wakes again for any left */
-    char bufs[TB_MAX][8];
-    struct iovec iov[TB_MAX];
-    struct mmsghdr m[TB_MAX];
-    memset(m, 0, sizeof(m));
-    for (int i = 0; i < TB_MAX; i++) {
-        iov[i] = (struct iovec){bufs[i], sizeof(bufs[i])};
-        m[i].msg_hdr.msg_iov = &iov[i];
-        m[i].msg_hdr.msg_iovlen = 1;
-    }
-    (void)recvmmsg(fd, m, TB_MAX, MSG_DONTWAIT, NULL);
-}
-
 /* The replies of this thread's calls that have come (after a bell, a probe that finds nothing
  * is made once more: MPICH's first probe may only move the message where the second sees it,
  * as in fsr_receive). */
@@ -193,9 +180,9 @@ int fanstore_remote_wait_own(int dev_fd) {
         if (r > 0 && p[0].revents)
             return 1; /* a request first; the bell stays rung */
         if (p[1].revents)
-            tb_take_rings(tb->udp);
+            fsr_take_rings(tb->udp);
         if (tb->local >= 0 && p[2].revents)
-            tb_take_rings(tb->local);
+            fsr_take_rings(tb->local);
         COUNT(thread_waits);
         tb_receive(r > 0, fsr_now());
     }
