@@ -42,9 +42,9 @@ void fanstore_threads_destroy(struct fuse_session *se); /* threads stopped, befo
 void fanstore_threads_mpi(int inside);
 /* _shim_remote_tbell.c: the remote calls this C FUSE thread made with its own reply bell and
  * has not seen end; fanstore_remote_wait_own waits for them (answering their READs on this
- * thread) while no request is readable on `dev_fd`: 1 when one is, 0 when none is left. */
+ * thread) until a request is readable on `dev_fd` or none of them is left. */
 int fanstore_remote_own_calls(void);
-int fanstore_remote_wait_own(int dev_fd);
+void fanstore_remote_wait_own(int dev_fd);
 /* Whether this thread may call MPI for a READ: a C thread, room for a spare, and no thread
  * inside MPI for FANSTORE_STUCK_NS or more. */
 int fanstore_threads_direct_ok(void);

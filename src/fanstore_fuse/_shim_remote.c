@@ -308,9 +308,7 @@ int fsr_add_call(const struct call *proto, double timeout) {
         fsr_thread_call(proto->owner, id); /* before the send: the reply may come at once */
     COUNT(direct_sends);
     fanstore_threads_mpi(1);
-    struct call p = *proto;
-    p.bell = bell;
-    fsr_send_request(&p, id, h);
+    fsr_send_request(proto, id, bell, h);
     fanstore_threads_mpi(0);
     return 0;
 }

@@ -188,8 +188,9 @@ void fsr_queue_out(int dest, uint16_t bell, int tag, char *buf, size_t n);
  * complete at once is tested by this thread for up to `linger` seconds (sleeping between tests,
  * the first after the usual completion time), then handed to the remote thread. */
 int fsr_send(int dest, uint16_t bell, int tag, char *buf, size_t n, double linger);
-/* Send call `id`'s request (`h`, taken over) from this thread; a refusal ends the call (EIO). */
-void fsr_send_request(const struct call *proto, uint64_t id, struct fsr_header *h);
+/* Send call `id`'s request (`h`, taken over) from this thread, naming reply bell `bell` (0:
+ * the rank's); a refusal ends the call (EIO). */
+void fsr_send_request(const struct call *proto, uint64_t id, uint16_t bell, struct fsr_header *h);
 void fsr_bells_close(void); /* the local bell socket (remote_stop, the threads joined) */
 /* The abstract name of the local bell of UDP port `port` (network order): a rank's, or a FUSE
  * thread's reply bell (_shim_remote_tbell.c) */

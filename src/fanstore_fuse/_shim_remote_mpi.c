@@ -203,12 +203,12 @@ int fsr_send(int dest, uint16_t bell, int tag, char *buf, size_t n, double linge
     return 0;
 }
 
-void fsr_send_request(const struct call *proto, uint64_t id, struct fsr_header *h) {
+void fsr_send_request(const struct call *proto, uint64_t id, uint16_t bell, struct fsr_header *h) {
     /* sent from this thread (MPI_THREAD_MULTIPLE): no wake-up of the remote thread, which
      * may already have the reply (and freed the call) when fsr_send returns */
     int owner = proto->owner;
     /* err: the reply bell (a request's err is otherwise 0) */
-    *h = (struct fsr_header){FSR_MAGIC, FSR_VERSION, (uint8_t)proto->op, proto->bell, id, proto->blob, proto->lo, proto->hi};
+    *h = (struct fsr_header){FSR_MAGIC, FSR_VERSION, (uint8_t)proto->op, bell, id, proto->blob, proto->lo, proto->hi};
     if (fsr_send(owner, 0, FSR_TAG_REQUEST, (char *)h, sizeof(*h), 0) != 0) {
         COUNT(peer_errors);
         fsr_suspect(owner);

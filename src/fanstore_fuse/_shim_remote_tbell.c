@@ -47,12 +47,12 @@ void fsr_tbell_knobs(void) {
 
 struct tb_fds {
     int udp, local;
+    uint16_t port; /* the UDP socket's, network order */
 };
 static pthread_key_t tb_key;
 static pthread_once_t tb_once = PTHREAD_ONCE_INIT;
 static __thread struct tb_fds *tb; /* this thread's bell, once opened */
 static __thread int tb_failed;
-static __thread uint16_t tb_port;  /* network order */
 static __thread struct {
     int owner;
     uint64_t id;
@@ -92,11 +92,10 @@ static int tb_open(void) {
             x = -1; /* rung there, the server gets ECONNREFUSED and rings the rank's bell */
         }
     }
-    *f = (struct tb_fds){u, x};
+    *f = (struct tb_fds){u, x, me.sin_port};
     pthread_once(&tb_once, tb_make_key);
     (void)pthread_setspecific(tb_key, f);
     tb = f;
-    tb_port = me.sin_port;
     return 1;
 }
 
@@ -107,7 +106,7 @@ uint16_t fsr_thread_bell(void) {
         tb_failed = 1;
         return 0;
     }
-    return tb_port;
+    return tb->port;
 }
 
 void fsr_thread_call(int owner, uint64_t id) {
@@ -167,7 +166,7 @@ static void tb_receive(int rung, double woke) {
     fanstore_threads_mpi(0);
 }
 
-int fanstore_remote_wait_own(int dev_fd) {
+void fanstore_remote_wait_own(int dev_fd) {
     while (tb_prune() > 0) {
         struct pollfd p[3] = {{dev_fd, POLLIN, 0}, {tb->udp, POLLIN, 0}, {tb->local, POLLIN, 0}};
         struct timespec ts = {0, WAIT_NS};
@@ -175,10 +174,8 @@ int fanstore_remote_wait_own(int dev_fd) {
         pthread_setcancelstate(PTHREAD_CANCEL_ENABLE, &old); /* unmounting cancels the thread here too */
         int r = ppoll(p, tb->local >= 0 ? 3 : 2, &ts, NULL);
         pthread_setcancelstate(old, NULL);
-        if (r < 0 && errno != EINTR)
-            return 1; /* read(2) says what is wrong */
-        if (r > 0 && p[0].revents)
-            return 1; /* a request first; the bell stays rung */
+        if ((r < 0 && errno != EINTR) || (r > 0 && p[0].revents))
+            return; /* a request first (the bell stays rung), or read(2) says what is wrong */
         if (p[1].revents)
             fsr_take_rings(tb->udp);
         if (tb->local >= 0 && p[2].revents)
@@ -186,5 +183,4 @@ int fanstore_remote_wait_own(int dev_fd) {
         COUNT(thread_waits);
         tb_receive(r > 0, fsr_now());
     }
-    return 0;
 }

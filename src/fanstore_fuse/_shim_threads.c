@@ -187,7 +187,6 @@ static void free_buffer(void *mem) { free(*(char **)mem); }
 static long long spin_ns; /* FANSTORE_FUSE_SPIN_US (microseconds), 0: no spin */
 static int ncpus, loadavg_fd = -1;
 static unsigned long long spins, spin_hits, spin_ns_total;
-static int spin_after_remote;
 
 /* Whether no CPU is wanted by more tasks than it can run: the running count of /proc/loadavg
  * (this thread included) at most the online CPUs. */
@@ -254,10 +253,9 @@ static void *thread_main(void *arg) {
          * system call to each (libaio 4 KiB reads: 8% fewer IOPS) */
         int64_t t_read = 0;
         if (fanstore_remote_own_calls() > 0) {
-            /* its remote READs answered here (_shim_remote_tbell.c); no poll after such an
-             * answer unless FANSTORE_FUSE_SPIN_AFTER_REMOTE=1 (A/B) */
-            if (fanstore_remote_wait_own(dev_fd) == 0 && spin_ns > 0 && spin_after_remote && spin_for_request() != 2)
-                queued = 0;
+            /* its remote READs answered here (_shim_remote_tbell.c), then a read without a poll:
+             * polling after such an answer cost more CPU than the wake-up it saved */
+            fanstore_remote_wait_own(dev_fd);
         } else if (spin_ns > 0 && !fanstore_reply_later) {
             if (queued >= QUEUED_STREAK)
                 t_read = now_ns();
@@ -317,8 +315,6 @@ static int start(struct fuse_session *se, int fd) {
     batch = b == NULL || strcmp(b, "0") != 0;
     const char *sp = getenv("FANSTORE_FUSE_SPIN_US");
     spin_ns = (sp != NULL ? atoll(sp) : SPIN_US_DEFAULT) * 1000LL;
-    const char *sar = getenv("FANSTORE_FUSE_SPIN_AFTER_REMOTE");
-    spin_after_remote = sar != NULL && strcmp(sar, "1") == 0;
     ncpus = (int)sysconf(_SC_NPROCESSORS_ONLN);
     if (spin_ns > 0 && loadavg_fd < 0)
         loadavg_fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
