@@ -60,7 +60,7 @@ bench-quick: $(STAMP)
 	$(PY) -m bench.run --quick
 	$(PY) -m bench.metadata_scale --files 2000 --files 10000
 	$(PY) -m bench.cost
-	$(PY) -m bench.smallfile --rounds 3 --anchors squashfuse_ll,ratarmount,ext4
+	$(PY) -m bench.smallfile --rounds 3 --anchors squashfuse_ll,ratarmount,ext4,fanstore-copy-cached
 	$(PY) -m bench.epoch2
 	$(PY) -m bench.fio --quick --files rand --systems ext4,squashfuse,fanstore1
 
