@@ -1,0 +1,168 @@
+"""Where a cold pass of small files goes, over time: ``python -m bench.coldstart [--files N]
+[--rounds R] [--ab KEY=VALUE]``.
+
+One reader reads bench.cost's tree (N files of 90-130 KB, shuffled) once, file by file with
+``os.open`` / ``readv`` of 1 MiB / ``close``, from:
+- ``ext4``: the source tree itself after drop_caches (no FUSE, the disk's own random reads);
+- ``cold``: a fresh 1-rank fanstore-fuse mount after drop_caches (what bench.smallfile's cold
+  cells measure): the first reads find the local copy cold, then the daemon streams the copy
+  into the page cache (``_shim_stream.c``) while the reader goes on;
+- ``copy cached``: a fresh mount whose local copy was read into the page cache first (the
+  kernel's side is still empty: every LOOKUP, OPEN and READ reaches the daemon), the cold pass
+  with a disk that costs nothing.
+Each pass prints its files/s, the mean time per file in open / read / close, the files read in
+each 50 ms of the pass (the stream's start shows as a dip: reads that miss the page cache then
+wait behind the stream's requests), and the stream's counters and thread CPU. ``--ab`` adds
+passes with that daemon environment (interleaved). Absolute rates swing between runs on this
+VM: compare the kinds within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+from . import _vmnoise
+from ._util import drop_caches, log, teardown_all
+from .cost import Fan, prep_tree
+
+BUCKET = 0.05  # seconds per bucket of the timeline
+SLOW_READ = 250e-6  # a read of a whole file that took longer went to the disk (or waited)
+
+
+def read_pass(root: str, rels: list[str]) -> dict:
+    """Read every file once in the given order; per-phase seconds and completion times."""
+    buf = bytearray(1 << 20)
+    mv = memoryview(buf)
+    t_open = t_read = t_close = 0.0
+    done = []
+    reads = []
+    pc = time.perf_counter
+    start = pc()
+    for rel in rels:
+        t0 = pc()
+        fd = os.open(os.path.join(root, rel), os.O_RDONLY)
+        t1 = pc()
+        while os.readv(fd, [mv]):
+            pass
+        t2 = pc()
+        os.close(fd)
+        t3 = pc()
+        t_open += t1 - t0
+        t_read += t2 - t1
+        reads.append(t2 - t1)
+        t_close += t3 - t2
+        done.append(t3 - start)
+    n = len(rels)
+    timeline = [0] * (int(done[-1] / BUCKET) + 1)
+    for t in done:
+        timeline[int(t / BUCKET)] += 1
+    late = sorted(reads[n // 2:])
+    return {"files_per_s": n / done[-1], "open_us": t_open / n * 1e6, "read_us": t_read / n * 1e6,
+            "close_us": t_close / n * 1e6, "per_50ms": timeline,
+            "late_read_p50_us": late[len(late) // 2] * 1e6,
+            "late_slow_reads": sum(1 for t in late if t > SLOW_READ) / len(late)}
+
+
+def stream_figures(fan: Fan) -> dict:
+    """The stream's counters (status) and its thread's CPU (schedstat)."""
+    out: dict = {}
+    try:
+        st = json.loads(os.getxattr(fan.mps[0], "user.fanstore.status"))
+        shim = st["ranks"][0].get("fuse_shim", {})
+        out = {k: shim[k] for k in ("stream_runs", "stream_bytes", "stream_ns") if k in shim}
+    except (OSError, ValueError, KeyError, IndexError):
+        pass
+    for pid in fan.pids():
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    if f.read().strip() != "fsr-stream":
+                        continue
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    out["stream_cpu_ms"] = int(f.read().split()[0]) / 1e6
+            except OSError:
+                continue
+    return out
+
+
+def read_copy(local: Path) -> None:
+    buf = bytearray(1 << 20)
+    for p in sorted(local.rglob("*.fsp")):
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
+def fan_pass(work: Path, dest: Path, rels: list[str], env: dict, copy_cached: bool) -> dict:
+    fan = Fan(work, dest, "cs", 1, [], env)
+    try:
+        drop_caches()
+        if copy_cached:
+            read_copy(work / "local-cs")
+        vm0 = _vmnoise.snapshot(damon=True)
+        r = read_pass(fan.mps[0], rels)
+        r["vm"] = _vmnoise.since(vm0)
+        r.update(stream_figures(fan))
+        return r
+    finally:
+        fan.close()
+
+
+def show(name: str, r: dict) -> None:
+    extra = ""
+    if "stream_bytes" in r:
+        extra = (f"; stream {r['stream_bytes'] / 1e6:,.0f} MB in {r.get('stream_ns', 0) / 1e6:,.0f} ms"
+                 f", its thread {r.get('stream_cpu_ms', 0):,.0f} ms CPU")
+    print(f"  {name:28} {r['files_per_s']:>7,.0f} files/s; per file open {r['open_us']:,.0f} "
+          f"read {r['read_us']:,.0f} close {r['close_us']:,.0f} us{extra}"
+          f"{_vmnoise.describe(r.get('vm', {}))}")
+    print(f"  {'':28} files per 50 ms: {r['per_50ms']}")
+    print(f"  {'':28} second half of the files: read p50 {r['late_read_p50_us']:,.0f} us, "
+          f"{r['late_slow_reads']:.0%} of reads over {SLOW_READ * 1e6:.0f} us")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.coldstart", description=__doc__.split("\n")[0])
+    ap.add_argument("--files", type=int, default=2000)
+    ap.add_argument("--work", default="/tmp/fanstore-bench-cost")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--ab", action="append", default=[], metavar="KEY=VALUE[,K2=V2]")
+    args = ap.parse_args(argv)
+    work = Path(args.work)
+    src, dest, rels = prep_tree(work, args.files)
+    order = list(rels)
+    random.Random(1).shuffle(order)
+    kinds: dict[str, tuple[dict, bool]] = {"cold": ({}, False), "copy cached": ({}, True)}
+    for ab in args.ab:
+        kinds[f"cold {ab}"] = (dict(kv.split("=", 1) for kv in ab.split(",")), False)
+    results: dict[str, list[dict]] = {"ext4": [], **{k: [] for k in kinds}}
+    try:
+        for rnd in range(args.rounds):
+            drop_caches()
+            results["ext4"].append(read_pass(str(src), order))
+            for name, (env, cached) in kinds.items():
+                results[name].append(fan_pass(work, dest, order, env, cached))
+                log(f"round {rnd} {name}: {results[name][-1]['files_per_s']:,.0f} files/s")
+    finally:
+        teardown_all()
+    print(f"\nCOLD START, one reader, {len(order)} files of 90-130 KB in a shuffled order, "
+          f"fresh mounts (1 rank), {args.rounds} rounds")
+    for rnd in range(args.rounds):
+        print(f" round {rnd}")
+        for name, rs in results.items():
+            show(name, rs[rnd])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
