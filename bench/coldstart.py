@@ -75,7 +75,7 @@ def stream_figures(fan: Fan) -> dict:
     try:
         st = json.loads(os.getxattr(fan.mps[0], "user.fanstore.status"))
         shim = st["ranks"][0].get("fuse_shim", {})
-        out = {k: shim[k] for k in ("stream_runs", "stream_bytes", "stream_ns") if k in shim}
+        out = {k: shim[k] for k in ("stream_runs", "stream_bytes", "stream_ns", "stream_cold") if k in shim}
     except (OSError, ValueError, KeyError, IndexError):
         pass
     for pid in fan.pids():
@@ -121,7 +121,8 @@ def fan_pass(work: Path, dest: Path, rels: list[str], env: dict, copy_cached: bo
 def show(name: str, r: dict) -> None:
     extra = ""
     if "stream_bytes" in r:
-        extra = (f"; stream {r['stream_bytes'] / 1e6:,.0f} MB in {r.get('stream_ns', 0) / 1e6:,.0f} ms"
+        extra = (f"; {r.get('stream_runs', 0)} stream(s) after {r.get('stream_cold', 0)} cold reads, "
+                 f"{r['stream_bytes'] / 1e6:,.0f} MB in {r.get('stream_ns', 0) / 1e6:,.0f} ms"
                  f", its thread {r.get('stream_cpu_ms', 0):,.0f} ms CPU")
     print(f"  {name:28} {r['files_per_s']:>7,.0f} files/s; per file open {r['open_us']:,.0f} "
           f"read {r['read_us']:,.0f} close {r['close_us']:,.0f} us{extra}"
