@@ -96,6 +96,7 @@ def stream_figures(fan: Fan) -> dict:
 
 
 def read_copy(local: Path) -> None:
+    """Every partition of a mount's local copy (`--local`) read into the page cache."""
     buf = bytearray(1 << 20)
     for p in sorted(local.rglob("*.fsp")):
         with open(p, "rb", buffering=0) as f:

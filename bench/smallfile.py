@@ -36,6 +36,7 @@ from pathlib import Path
 from . import _util, _vmnoise
 from ._util import REPO, Mount, drop_caches, log, register, run_cmd, teardown, teardown_all, wait_mounted
 from ._workload import read_rate
+from .coldstart import read_copy
 from .cost import Fan, cpu_since, cpu_snapshot, prep_tree
 
 ANCHORS = {"squashfuse_ll": 1.0, "ratarmount": 3.0}  # the bar: fanstore-fuse >= this many times
@@ -144,11 +145,7 @@ class FanMount:
         """drop_caches, then the daemon's local copy read into the page cache (the kernel's
         side of the fresh mount stays empty)."""
         drop_caches()
-        buf = bytearray(1 << 20)
-        for p in sorted(self.local.rglob("*.fsp")):
-            with open(p, "rb", buffering=0) as f:
-                while f.readinto(buf):
-                    pass
+        read_copy(self.local)
 
     def pids(self) -> list[int]:
         return self.fan.pids()
