@@ -32,7 +32,7 @@ from ._util import drop_caches, log, teardown_all
 from .cost import Fan, prep_tree
 
 BUCKET = 0.05  # seconds per bucket of the timeline
-SLOW_READ = 250e-6  # a read of a whole file that took longer went to the disk (or waited)
+SLOW_READ = 250e-6  # longer: the read went to the disk, waited behind other I/O, or the VM stalled
 
 
 def read_pass(root: str, rels: list[str]) -> dict:
