@@ -88,9 +88,12 @@ async def test_blob_cache_keeps_the_last_big_blobs():
         return bytes([key]) * (100 if key < 10 else 1000)
 
     cache = BlobCache(fetch, Stats(), limit=250)
-    for key in (1, 11, 1, 11, 2, 3, 12, 11, 12):  # small ones in the LRU, big ones in slots
+    slots = BlobCache.BIG_SLOTS
+    assert slots >= 3  # two readers' chunks, and one read ahead past a chunk's end
+    big = list(range(11, 11 + slots))  # as many big blobs as there are slots
+    for key in (1, big[0], 1, big[0], 2, 3, *big[1:], big[0], big[-1]):  # small: LRU; big: slots
         assert await cache.get(key) == bytes([key]) * (100 if key < 10 else 1000)
-    assert fetched == [1, 11, 2, 3, 12]
-    await cache.get(13)  # a third big blob pushes out the oldest (11)
-    assert cache.peek(12) and cache.peek(13) and not cache.peek(11)
+    assert fetched == [1, big[0], 2, 3, *big[1:]]
+    await cache.get(99)  # one big blob more pushes out the least recently used (big[1])
+    assert all(cache.peek(k) for k in (big[0], *big[2:], 99)) and not cache.peek(big[1])
     assert cache.peek(2) and cache.peek(3) and not cache.peek(1)  # the LRU kept 250 bytes

@@ -40,7 +40,7 @@ n2 = assert_same_tree(sys.argv[1], mnt)
 after = mine()
 fetched = after["stats"]["remote_reads"] - before["stats"]["remote_reads"]
 hits = after["disk_cache"]["hits"] - before["disk_cache"]["hits"]
-# BlobCache keeps the last 2 blobs larger than FANSTORE_CACHE_BYTES: one may still be in memory
+# BlobCache keeps the last BIG_SLOTS blobs larger than FANSTORE_CACHE_BYTES: some may still be in memory
 mem = after["stats"]["cache_hits"] - before["stats"]["cache_hits"]
 c_remote = before.get("c_remote", {})  # the C remote thread's counters after epoch 1
 print(f"{host}: epoch 1: C remote READs {c_remote.get('c_reads', 0)}, "
