@@ -29,7 +29,7 @@ from pathlib import Path
 
 from . import _vmnoise
 from ._util import drop_caches, log, teardown_all
-from .cost import Fan, prep_tree
+from .cost import CpuSnapshot, Fan, cpu_by_thread, cpu_snapshot, prep_tree
 
 BUCKET = 0.05  # seconds per bucket of the timeline
 SLOW_READ = 250e-6  # longer: the read went to the disk, waited behind other I/O, or the VM stalled
@@ -69,8 +69,9 @@ def read_pass(root: str, rels: list[str]) -> dict:
             "late_slow_reads": sum(1 for t in late if t > SLOW_READ) / len(late)}
 
 
-def stream_figures(fan: Fan) -> dict:
-    """The stream's counters (status) and its thread's CPU (schedstat)."""
+def stream_figures(fan: Fan, before: CpuSnapshot) -> dict:
+    """The stream's counters (status) and its thread's CPU since `before` (bench.cost's
+    schedstat by thread)."""
     out: dict = {}
     try:
         st = json.loads(os.getxattr(fan.mps[0], "user.fanstore.status"))
@@ -78,20 +79,7 @@ def stream_figures(fan: Fan) -> dict:
         out = {k: shim[k] for k in ("stream_runs", "stream_bytes", "stream_ns", "stream_cold") if k in shim}
     except (OSError, ValueError, KeyError, IndexError):
         pass
-    for pid in fan.pids():
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                    if f.read().strip() != "fsr-stream":
-                        continue
-                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                    out["stream_cpu_ms"] = int(f.read().split()[0]) / 1e6
-            except OSError:
-                continue
+    out["stream_cpu_ms"] = cpu_by_thread(before, fan.pids()).get("r0:fsr-stream", 0.0) * 1e3
     return out
 
 
@@ -111,9 +99,10 @@ def fan_pass(work: Path, dest: Path, rels: list[str], env: dict, copy_cached: bo
         if copy_cached:
             read_copy(work / "local-cs")
         vm0 = _vmnoise.snapshot(damon=True)
+        cpu0 = cpu_snapshot(fan.pids())
         r = read_pass(fan.mps[0], rels)
         r["vm"] = _vmnoise.since(vm0)
-        r.update(stream_figures(fan))
+        r.update(stream_figures(fan, cpu0))
         return r
     finally:
         fan.close()
