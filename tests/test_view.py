@@ -224,3 +224,25 @@ async def test_a_bad_blob_is_eio_for_every_reader_and_logged_with_the_file(parts
         release.set()
     assert codes == [errno.EIO] * 3
     assert len(error_log.records) == 3
+
+
+async def test_a_users_mount_shows_its_root_as_the_users(dest, tmp_path):
+    """A mount run by a user other than root (the prolog's daemon runs as the job user): its
+    root is that user's, whoever prepped the dataset, so the user may write outputs there;
+    every other entry keeps the manifest's ids. A mount run by root shows the manifest's."""
+    m = read_manifest(dest / MANIFEST_NAME)
+    blobs = BlobStore(m, str(dest))
+    for owner in (4321, 0):
+        p = compose(m, blobs, str(dest), LocalOnlyPlacement(), 0, lambda t: NoPeers(), None,
+                    Settings(), owner_uid=owner)
+        ops = Operations(p.view)
+        try:
+            root = await ops.getattr(pyfuse3.ROOT_INODE, CTX)
+            big = await ops.lookup(pyfuse3.ROOT_INODE, b"big.bin", CTX)
+            want = (4321, os.getgid()) if owner else (m.entries["uid"][0], m.entries["gid"][0])
+            assert (root.st_uid, root.st_gid) == want
+            assert (big.st_uid, big.st_gid) == (m.entries["uid"][big.st_ino - 1],
+                                               m.entries["gid"][big.st_ino - 1])
+        finally:
+            p.close()
+    blobs.close()

@@ -110,6 +110,13 @@ def hold_dataset(m: Manifest) -> None:
     _shim.hold_dataset(cols, m.n_entries)
 
 
+def root_owner(ids: tuple[int, int] | None) -> None:
+    """The dataset's root shows these owner ids (uid, gid) in the shim's answers too, as in
+    Python's (`MountView.root_owner`); None: the manifest's. Nothing without the shim."""
+    if _shim is not None:
+        _shim.dataset_root_owner(*(ids or ()))
+
+
 def serve_dataset(m: Manifest, timeout: float, plus_max: int) -> bool:
     """Let the shim answer LOOKUP of dataset names and the dataset part of dataset listings
     from the manifest's columns (`hold_dataset`), with `timeout` as entry and attribute

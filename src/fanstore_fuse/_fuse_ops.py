@@ -18,7 +18,7 @@ import pyfuse3
 
 from . import _cremote, _fastopen, _fastread
 from ._errors import FanstoreError, InvalidArgument, ReadOnly
-from ._fastclose import PLAIN_FH, cache_listing, plain_entries, serve_dataset
+from ._fastclose import PLAIN_FH, cache_listing, plain_entries, root_owner, serve_dataset
 from ._namespace import Record
 from ._view import ENTRY_TIMEOUT, MountView
 
@@ -71,6 +71,7 @@ class Operations(pyfuse3.Operations):
         super().__init__()
         self.view = view
         self._in_c = False  # dataset lookups and listings answered by the C shim
+        root_owner(view.root_owner)  # the C answers' root as _attr's
 
     def init(self) -> None:
         """pyfuse3 calls it in the trio run before the first request: the C shim's READs (when
@@ -94,8 +95,9 @@ class Operations(pyfuse3.Operations):
         a.entry_timeout = a.attr_timeout = self.view.cache_seconds(r.inode)
         a.st_mode = r.mode
         a.st_nlink = r.nlink
-        a.st_uid = r.uid
-        a.st_gid = r.gid
+        a.st_uid, a.st_gid = r.uid, r.gid
+        if r.inode == pyfuse3.ROOT_INODE and self.view.root_owner is not None:
+            a.st_uid, a.st_gid = self.view.root_owner
         a.st_rdev = r.first if stat.S_ISCHR(r.mode) or stat.S_ISBLK(r.mode) else 0
         a.st_size = r.size
         a.st_blksize = DIR_BLKSIZE if r.is_dir else FILE_BLKSIZE

@@ -176,6 +176,7 @@ static PyMethodDef methods[] = {
     {"stream_counts", fanstore_py_stream_counts, METH_NOARGS, "stream_counts(): (streams, refused, windows, bytes, ns, cold blobs seen, disk-cache segments streamed, skipped) of local copies and cache segments read into the page cache"},
     FANSTORE_CACHE_METHODS
     {"hold_dataset", fanstore_py_hold_dataset, METH_VARARGS, "hold_dataset((kind, mode, uid, gid, count, mtime_ns, size, first, name_off, names), n): hold the manifest's columns for the C answers"},
+    {"dataset_root_owner", fanstore_py_dataset_root_owner, METH_VARARGS, "dataset_root_owner(uid, gid): the dataset's root shows these owner ids in the C answers"},
     {"drop_dataset", fanstore_py_drop_dataset, METH_NOARGS, "drop_dataset(): every C answer from the dataset off, the columns released"},
     {NULL, NULL, 0, NULL},
 };

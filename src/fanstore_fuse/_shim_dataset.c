@@ -22,6 +22,8 @@
 #define MAX_ENTRIES (UINT64_C(1) << 40) /* written files' inodes start there (WRITE_INODE_BASE) */
 
 struct fanstore_dataset fanstore_ds;
+static int root_owned;              /* dataset_root_owner was called: the root shows root_ids */
+static uint32_t root_ids[2];        /* uid, gid */
 
 enum { KIND, MODE, UID, GID, COUNT, MTIME, SIZE, FIRST, NAME_OFF, NAMES, NCOLS };
 static const Py_ssize_t col_itemsize[NCOLS] = {1, 4, 4, 4, 4, 8, 8, 8, 8, 1};
@@ -40,8 +42,8 @@ void fanstore_dataset_stat(uint64_t j, struct stat *st) {
         for (uint64_t k = c0; k < c0 + d->count[j]; k++)
             st->st_nlink += d->kind[k] == FANSTORE_KIND_DIR;
     }
-    st->st_uid = d->uid[j];
-    st->st_gid = d->gid[j];
+    st->st_uid = j == 0 && root_owned ? root_ids[0] : d->uid[j];
+    st->st_gid = j == 0 && root_owned ? root_ids[1] : d->gid[j];
     st->st_rdev = (S_ISCHR(mode) || S_ISBLK(mode)) ? (dev_t)d->first[j] : 0;
     st->st_size = (off_t)d->size[j];
     /* glibc's readdir reads a directory in st_blksize chunks (up to 1 MiB), and the kernel
@@ -141,4 +143,18 @@ int fanstore_dataset_serve(unsigned feature, const char *who) {
     }
     fanstore_ds.serving |= feature;
     return 1;
+}
+
+/* dataset_root_owner(uid, gid): the root (entry 0) shows these owner ids from now on, as
+ * Operations._attr shows them (MountView.root_owner: a mount run by a user other than root);
+ * dataset_root_owner(): the manifest's ids again. */
+PyObject *fanstore_py_dataset_root_owner(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned int uid = 0, gid = 0;
+    if (!PyArg_ParseTuple(args, "|II", &uid, &gid))
+        return NULL;
+    root_ids[0] = uid;
+    root_ids[1] = gid;
+    root_owned = PyTuple_GET_SIZE(args) == 2;
+    Py_RETURN_NONE;
 }

@@ -41,6 +41,7 @@ int fanstore_dataset_serve(unsigned feature, const char *who);
 #ifdef Py_PYTHON_H /* the module's functions, for _noflush.c's method table */
 PyObject *fanstore_py_hold_dataset(PyObject *self, PyObject *args);
 PyObject *fanstore_py_drop_dataset(PyObject *self, PyObject *unused);
+PyObject *fanstore_py_dataset_root_owner(PyObject *self, PyObject *args);
 #endif
 
 #endif

@@ -90,6 +90,10 @@ class MountView(ViewMeta):
         self.writes = writes
         self.shared = shared  # files written on other ranks (and the publishing of ours)
         self.owner_uid = owner_uid
+        # A user's mount: its root is the user's, whoever prepped the dataset, so that the job
+        # user can write outputs there (the prolog runs the daemon as the job user). A mount run
+        # by root shows the manifest's ids.
+        self.root_owner = None if owner_uid == 0 else (owner_uid, os.getgid())
         self._remote_open: dict[int, OpenRemote] = {}
         self._next_remote_fh = 0
         self._snapshots: dict[int, tuple[float, list[Record]]] = {}  # inode: (at, written)
