@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from . import _vmnoise
-from ._util import drop_caches, log, teardown_all
+from ._util import drop_caches, log, read_copy, teardown_all
 from .cost import CpuSnapshot, Fan, cpu_by_thread, cpu_snapshot, prep_tree
 
 BUCKET = 0.05  # seconds per bucket of the timeline
@@ -81,15 +81,6 @@ def stream_figures(fan: Fan, before: CpuSnapshot) -> dict:
         pass
     out["stream_cpu_ms"] = cpu_by_thread(before, fan.pids()).get("r0:fsr-stream", 0.0) * 1e3
     return out
-
-
-def read_copy(local: Path) -> None:
-    """Every partition of a mount's local copy (`--local`) read into the page cache."""
-    buf = bytearray(1 << 20)
-    for p in sorted(local.rglob("*.fsp")):
-        with open(p, "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
 
 
 def fan_pass(work: Path, dest: Path, rels: list[str], env: dict, copy_cached: bool) -> dict:

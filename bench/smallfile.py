@@ -34,9 +34,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import _util, _vmnoise
-from ._util import REPO, Mount, drop_caches, log, register, run_cmd, teardown, teardown_all, wait_mounted
+from ._util import (
+    REPO,
+    Mount,
+    drop_caches,
+    log,
+    read_copy,
+    register,
+    run_cmd,
+    teardown,
+    teardown_all,
+    wait_mounted,
+)
 from ._workload import read_rate
-from .coldstart import read_copy
 from .cost import Fan, cpu_since, cpu_snapshot, prep_tree
 
 ANCHORS = {"squashfuse_ll": 1.0, "ratarmount": 3.0}  # the bar: fanstore-fuse >= this many times
