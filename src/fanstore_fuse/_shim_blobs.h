@@ -186,6 +186,9 @@ void fanstore_scratch_free(struct fanstore_scratch *s);
  * 8..24 bytes past its source modulo 4096 runs at a third of the speed; two 64-aligned
  * addresses are never that close (`python -m bench.copy_align`, docs/performance.md). */
 void *fanstore_data_alloc(size_t n);
+/* Lets go of a block from fanstore_data_alloc (or malloc): large 64-aligned ones are kept for
+ * the next fanstore_data_alloc (a few), others freed. */
+void fanstore_data_free(void *p);
 void fanstore_scratch_release(struct fanstore_scratch *s); /* the frame reference, if any */
 
 /* Raw bytes lo..hi (hi <= raw[blob]) of `blob`, held here, verified: a framed blob reads only

@@ -4,7 +4,9 @@
  * blobs. The interface and its rules are in _shim_blobs.h; the held columns and the local
  * copies are _shim_blobs.c's.
  */
+#include <malloc.h>
 #include <pthread.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #define ZSTD_STATIC_LINKING_ONLY /* ZSTD_getFrameContentSize's constants */
@@ -263,9 +265,63 @@ int fanstore_blob_decode(uint64_t blob, const void *stored, void *out) {
     }
 }
 
+/* Large blocks come back through fanstore_data_free into a small pool, taken again before any
+ * new one: a block of MiBs malloc hands out afresh is often fresh pages (a thread's arena lets
+ * a heap that empties go back to the kernel), and the first write of each page is a fault and a
+ * zeroing, 15% of the remote thread's time when a 4 MiB reply is received into it (`perf`,
+ * twentieth session). At most POOL_SLOTS blocks, POOL_BYTES in all, are kept. */
+#define POOL_MIN (1u << 20)
+#define POOL_SLOTS 8
+#define POOL_BYTES (40u << 20)
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static void *pool[POOL_SLOTS];
+static int npool;
+static size_t pooled; /* usable bytes of the blocks in the pool */
+static int pool_slots = -1; /* FANSTORE_DATA_POOL: blocks kept (0: none), for A/B */
+
+static int slots(void) {
+    int n = __atomic_load_n(&pool_slots, __ATOMIC_RELAXED);
+    if (n < 0) {
+        const char *knob = getenv("FANSTORE_DATA_POOL");
+        n = knob != NULL && *knob != '\0' ? atoi(knob) : POOL_SLOTS;
+        n = n < 0 ? 0 : n > POOL_SLOTS ? POOL_SLOTS : n;
+        __atomic_store_n(&pool_slots, n, __ATOMIC_RELAXED);
+    }
+    return n;
+}
+
 void *fanstore_data_alloc(size_t n) {
+    if (n >= POOL_MIN) {
+        void *p = NULL;
+        pthread_mutex_lock(&pool_lock);
+        for (int i = npool - 1; i >= 0 && p == NULL; i--) /* the last one kept: cache-warm */
+            if (malloc_usable_size(pool[i]) >= n) {
+                p = pool[i];
+                pooled -= malloc_usable_size(p);
+                pool[i] = pool[--npool];
+            }
+        pthread_mutex_unlock(&pool_lock);
+        if (p != NULL)
+            return p;
+    }
     void *p = NULL;
     return posix_memalign(&p, 64, n ? n : 1) == 0 ? p : NULL;
+}
+
+void fanstore_data_free(void *p) {
+    size_t n = p != NULL ? malloc_usable_size(p) : 0;
+    if ((uintptr_t)p % 64 == 0 && n >= POOL_MIN) {
+        pthread_mutex_lock(&pool_lock);
+        int kept = npool < slots() && pooled + n <= POOL_BYTES;
+        if (kept) {
+            pool[npool++] = p;
+            pooled += n;
+        }
+        pthread_mutex_unlock(&pool_lock);
+        if (kept)
+            return;
+    }
+    free(p);
 }
 
 static int grow(char **p, size_t *cap, size_t n) {

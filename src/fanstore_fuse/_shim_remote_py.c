@@ -40,7 +40,7 @@ static struct finished *finished_list;
 static void remote_bytes_dealloc(PyObject *op) {
     char *block;
     memcpy(&block, (char *)op - sizeof(block), sizeof(block));
-    free(block);
+    fanstore_data_free(block);
 }
 
 static PyTypeObject remote_bytes = {
@@ -65,7 +65,7 @@ static void let_go(void *mem, void (*release)(void *)) {
     if (release != NULL)
         release(mem);
     else
-        free(mem);
+        fanstore_data_free(mem);
 }
 
 static int held_raw_buffer(PyObject *self, Py_buffer *view, int flags) {
@@ -162,7 +162,7 @@ void fsr_verify_py(struct call *c, char *buf, size_t n) {
             rc = fanstore_blob_decode(b, body, raw);
     }
     if (block != buf)
-        free(buf);
+        fanstore_data_free(buf);
     if (rc != FANSTORE_BLOB_OK) {
         free(block);
         COUNT(corrupt);

@@ -91,7 +91,7 @@ static pthread_mutex_t slot_lock = PTHREAD_MUTEX_INITIALIZER;
 static void kept_put(void *p) {
     struct kept *k = p;
     if (k != NULL && __atomic_sub_fetch(&k->refs, 1, __ATOMIC_ACQ_REL) == 0) {
-        free(k->mem);
+        fanstore_data_free(k->mem);
         free(k);
     }
 }
@@ -223,12 +223,12 @@ static void read_done(void *ctx, int status, const char *raw, size_t n, void *me
             COUNT(cache_offers);
             fsr_offer(r->blob, raw, n, mem, NULL);
         } else {
-            free(mem);
+            fanstore_data_free(mem);
         }
         free(r);
         return;
     }
-    free(mem);
+    fanstore_data_free(mem);
     fall_back(r, status);
 }
 
@@ -249,7 +249,7 @@ static void chunk_done(void *ctx, int status, const char *raw, size_t n, void *m
     struct kept *k = status == 0 ? malloc(sizeof(*k)) : NULL;
     if (k != NULL)
         *k = (struct kept){1 + offer, mem};
-    else if (free(mem), status == 0)
+    else if (fanstore_data_free(mem), status == 0)
         status = -ENOMEM;
     pthread_mutex_lock(&slot_lock);
     struct rread *w = s->waiting;
