@@ -379,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-squashfuse", action="store_true")
     ap.add_argument("--no-large", action="store_true", help="skip remote large reads vs raw MPI")
     ap.add_argument("--only-large", action="store_true", help="only remote large reads vs raw MPI")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of the interleaved remote and local cold passes (and of large reads)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of the interleaved remote and local cold passes (and of large reads)")
     ap.add_argument("--profile", action="store_true", help="py-spy the remote read (extra run)")
     args = ap.parse_args(argv)
     work = Path(args.work)
