@@ -13,6 +13,7 @@ substituted, and pids come from the state file via `fanstore_fuse._mountctl.find
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 import random
@@ -388,12 +389,16 @@ def ls_lR(metas: dict[bytes, Meta]) -> list[str]:
     return lines
 
 
-def assert_same_tree(src: str | os.PathLike[str], mnt: str | os.PathLike[str]) -> int:
+def assert_same_tree(src: str | os.PathLike[str], mnt: str | os.PathLike[str],
+                     root_owner: tuple[int, int] | None = None) -> int:
     """The whole mounted tree equals the source tree (metadata, listings, bytes). Returns the
-    number of entries compared."""
+    number of entries compared. `root_owner` (uid, gid): the mount's root shows these instead
+    of the source's (a mount run by a user other than root: `MountView.root_owner`)."""
     src_meta, src_lists = snapshot(src)
     mnt_meta, mnt_lists = snapshot(mnt)
     want = expected_from_source(src_meta)
+    if root_owner is not None:
+        want[b""] = dataclasses.replace(want[b""], uid=root_owner[0], gid=root_owner[1])
     # The mount root is the mountpoint; its name and parent differ, but its metadata must not.
     problems = diff_meta(want, mnt_meta)
     assert not problems, "mounted tree differs from the source:\n" + "\n".join(problems)

@@ -130,7 +130,11 @@ class Cluster:
         ports = pick_ports(self.nodes + 1)
         for sub in ("etc", "log", "munge", "ctld/state", "shared/jobs"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
-        os.chmod(self.root / "munge", 0o700)
+        # As a site gives its users: the cluster's paths searchable, munged's socket reachable
+        # (its key stays 0400), job output files creatable (mkdtemp made the root 0700).
+        os.chmod(self.root, 0o711)
+        os.chmod(self.root / "munge", 0o711)
+        os.chmod(self.root / "shared" / "jobs", 0o1777)
         for name in node_names(self.nodes):
             (self.root / "nodes" / name / "spool").mkdir(parents=True, exist_ok=True)
             (self.root / "nodes" / name / "tmp").mkdir(exist_ok=True)

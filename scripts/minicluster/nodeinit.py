@@ -3,14 +3,19 @@
     nodeinit.py NAME TMPDIR CMD...
 
 sets the hostname to NAME, detaches the FUSE mounts copied from the host, binds TMPDIR on /tmp,
-then runs CMD (slurmd), reaps every orphan (slurmstepd and the tasks it leaves), passes
-SIGTERM/SIGINT/SIGHUP on, and exits with CMD's status."""
+opens the node to job users other than root as a compute node is (jobuser.py: /dev/fuse 0666,
+this interpreter reachable; the originals kept in TMPDIR/../open), then runs CMD (slurmd), reaps
+every orphan (slurmstepd and the tasks it leaves), passes SIGTERM/SIGINT/SIGHUP on, and exits
+with CMD's status."""
 
 import os
 import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
+
+import jobuser
 
 
 def drop_inherited_fuse_mounts() -> None:
@@ -28,6 +33,10 @@ name, tmpdir, cmd = sys.argv[1], sys.argv[2], sys.argv[3:]
 socket.sethostname(name)
 drop_inherited_fuse_mounts()
 subprocess.run(["mount", "--bind", tmpdir, "/tmp"], check=True)
+keep = Path(tmpdir).resolve().parent / "open"
+keep.mkdir(exist_ok=True)
+jobuser.open_fuse(keep)
+jobuser.open_dirs(keep, jobuser.interpreter_paths(str(Path(__file__).resolve().parents[2])))
 child = os.fork()
 if child == 0:
     os.execvp(cmd[0], cmd)

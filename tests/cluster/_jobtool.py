@@ -82,7 +82,9 @@ def readloop(src: str, mnt: str, seconds: float) -> None:
 
 def main(argv: list[str]) -> None:
     if argv[0] == "compare":
-        n = assert_same_tree(argv[1], argv[2])
+        # as the job user: the mount is that user's, and so is its root (MountView.root_owner)
+        owner = (os.getuid(), os.getgid()) if os.getuid() != 0 else None
+        n = assert_same_tree(argv[1], argv[2], owner)
         print(f"{socket.gethostname()}: {n} entries identical to the source", flush=True)
     elif argv[0] == "write":
         write(argv[1], int(argv[2]) if len(argv) > 2 else 0)

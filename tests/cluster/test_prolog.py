@@ -213,3 +213,52 @@ python {TOOL} compare {src} /tmp/fanstore-$SLURM_JOB_ID
         c.run_on(0, [str(Path(sys.executable).parent / "fanstore-fuse"), "umount", plain],
                  check=False)
         c.run_on(0, ["rmdir", plain], check=False)
+
+
+@pytest.mark.timeout(420)
+def test_a_job_users_mount_is_its_own_on_every_node(slurm_cluster, shared_dir, site):
+    """A job of a user other than root (nobody; `sbatch --uid`): the prolog mounts as that user
+    on every node (the nodes are open to job users as compute nodes are: nodeinit.py), the job
+    reads the dataset byte for byte and writes into each mount's root (shown as the job user's,
+    whoever prepped the dataset), and the epilog stages the outputs out, owned by the user."""
+    c = slurm_cluster
+    nobody = 65534
+    os.chmod(shared_dir, 0o1777)  # the meeting dir (`site`) is created in it by the job user
+    src = shared_dir / "src"  # files every user may read (build_tree's has private ones)
+    for i in range(300):
+        d = src / f"d{i % 7}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"s{i:03d}.bin").write_bytes(os.urandom(1000 + 397 * i))
+    dest = prep_cli(src, shared_dir / "dest", "--chunk-mib", "1", "--partitions", "6",
+                    "--mode", "0644")  # root preps it for its users
+    out = shared_dir / "out"
+    out.mkdir()
+    os.chown(out, nobody, nobody)
+    script = shared_dir / "job.sh"
+    script.write_text(f"""#!/bin/bash
+#SBATCH --nodes=3
+#SBATCH --comment=fanstore:{dest},stage_out={out}
+set -euo pipefail
+MNT=/tmp/fanstore-$SLURM_JOB_ID
+srun -N3 --ntasks-per-node=1 python {TOOL} compare {src} $MNT
+srun -N3 --ntasks-per-node=1 bash -c 'echo "$(id -u) $(hostname)" > '$MNT'/from-$(hostname).txt; \\
+stat -c "$(hostname) root owner %u" '$MNT'; stat -c "$(hostname) file owner %u" '$MNT'/from-$(hostname).txt'
+""")
+    script.chmod(0o755)
+    t0 = time.monotonic()
+    res = c.submit(script, f"--uid={nobody}", f"--gid={nobody}", timeout=300, env=job_env(c))
+    log = _job_log(site, res.job_id)
+    print(f"job {res.job_id} ({time.monotonic() - t0:.1f} s): {res.state} exit {res.exit_code}\n"
+          f"{res.output}\n{log}")
+    assert res.state == "COMPLETED" and res.exit_code == 0, f"{res}\n{log}"
+    for h in NODES:
+        assert f"{h}: " in res.output and "entries identical to the source" in res.output
+        assert f"{h} root owner {nobody}" in res.output and f"{h} file owner {nobody}" in res.output
+        staged = out / f"from-{h}.txt"
+        assert staged.read_text() == f"{nobody} {h}\n"
+        assert staged.stat().st_uid == nobody
+    for k in range(c.nodes):  # this job's and this user's traces only: other tests' stay theirs
+        assert [m for m in c.fuse_mounts(k) if f"fanstore-{res.job_id}" in m] == [], f"n{k}"
+        left = [e for e in c.local_entries(k)
+                if e.endswith(f"-{res.job_id}") or e == f"fanstore-fuse-{nobody}"]
+        assert left == [], f"n{k} keeps {left}"
