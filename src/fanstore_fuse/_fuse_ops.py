@@ -95,9 +95,7 @@ class Operations(pyfuse3.Operations):
         a.entry_timeout = a.attr_timeout = self.view.cache_seconds(r.inode)
         a.st_mode = r.mode
         a.st_nlink = r.nlink
-        a.st_uid, a.st_gid = r.uid, r.gid
-        if r.inode == pyfuse3.ROOT_INODE and self.view.root_owner is not None:
-            a.st_uid, a.st_gid = self.view.root_owner
+        a.st_uid, a.st_gid = self.view.owner_ids(r)
         a.st_rdev = r.first if stat.S_ISCHR(r.mode) or stat.S_ISBLK(r.mode) else 0
         a.st_size = r.size
         a.st_blksize = DIR_BLKSIZE if r.is_dir else FILE_BLKSIZE

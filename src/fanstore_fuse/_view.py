@@ -102,6 +102,13 @@ class MountView(ViewMeta):
     def writable(self) -> bool:
         return self.writes is not None or self.shared is not None
 
+    def owner_ids(self, r: Record) -> tuple[int, int]:
+        """(uid, gid) the mount shows for `r`: the root of a user's mount is the user's
+        (`root_owner`; the C shim gives the same, `_fastclose.root_owner`)."""
+        if r.inode == 1 and self.root_owner is not None:  # the root (_namespace: entry 0)
+            return self.root_owner
+        return r.uid, r.gid
+
     @staticmethod
     def cache_seconds(inode: int) -> float:
         """How long the kernel may cache an entry's attributes."""
