@@ -142,7 +142,9 @@ def counts() -> dict[str, int]:
     cache (_shim_stream.c): `stream_runs`, `stream_refused` (too large for MemAvailable),
     `stream_windows` and `stream_bytes` read in, `stream_ns` spent streaming, `stream_cold`
     (blobs reads found cold: 16 since the last stream start one), `stream_cache_segments` /
-    `stream_cache_skipped` (disk-cache segments streamed / left out: over the budget)."""
+    `stream_cache_skipped` (disk-cache segments streamed / left out: over the budget);
+    `c_mapread_reads` / `c_mapread_bytes`: large READs of raw frames answered from a mapping of
+    the local copy (_shim_mapread.c)."""
     shim = _fastclose._shim
     if shim is None or not hasattr(shim, "read_counts"):
         return {}
@@ -153,4 +155,6 @@ def counts() -> dict[str, int]:
         out.update(zip(FRAME_COUNTS, map(int, shim.frame_counts())))
     if hasattr(shim, "stream_counts"):
         out.update(zip(STREAM_COUNTS, map(int, shim.stream_counts())))
+    if hasattr(shim, "mapread_counts"):
+        out.update(zip(("c_mapread_reads", "c_mapread_bytes"), map(int, shim.mapread_counts())))
     return out

@@ -173,6 +173,7 @@ static PyMethodDef methods[] = {
     {"fast_read", fanstore_py_fast_read, METH_VARARGS, "fast_read(threads, inline_max): patch READ of the held dataset's files (before pyfuse3.init)"},
     {"read_start", fanstore_py_read_start, METH_O, "read_start(fallback): answer READs in C from now on; fallback(fh, off, size) -> bytes | errno on errors"},
     {"read_counts", fanstore_py_read_counts, METH_NOARGS, "read_counts(): (reads, bytes, inline, fallbacks) in C"},
+    {"mapread_counts", fanstore_py_mapread_counts, METH_NOARGS, "mapread_counts(): (READs, bytes) answered from a mapping of the local copies"},
     {"stream_counts", fanstore_py_stream_counts, METH_NOARGS, "stream_counts(): (streams, refused, windows, bytes, ns, cold blobs seen, disk-cache segments streamed, skipped) of local copies and cache segments read into the page cache"},
     FANSTORE_CACHE_METHODS
     {"hold_dataset", fanstore_py_hold_dataset, METH_VARARGS, "hold_dataset((kind, mode, uid, gid, count, mtime_ns, size, first, name_off, names), n): hold the manifest's columns for the C answers"},

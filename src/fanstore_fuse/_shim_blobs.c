@@ -25,6 +25,7 @@
 #include <zstd.h>
 
 #include "_shim_blobs.h"
+#include "_shim_mapread.h"
 
 
 struct fanstore_blobs fanstore_blobs;
@@ -136,6 +137,7 @@ int fanstore_blob_pread(uint64_t blob, uint64_t rel, size_t n, void *buf, int no
 static void release_held(void) {
     fanstore_stream_stop(); /* it reads the descriptors closed below */
     memset(&fanstore_blobs, 0, sizeof(fanstore_blobs)); /* nothing held first */
+    fanstore_mapread_forget(); /* no READ maps these partitions from now on */
     for (uint32_t p = 0; p < nparts; p++)
         if (fds[p] >= 0)
             close(fds[p]);

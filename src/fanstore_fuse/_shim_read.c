@@ -52,6 +52,7 @@
 #include "_shim_cache.h"
 #include "_shim_dataset.h"
 #include "_shim_ops.h"
+#include "_shim_mapread.h"
 
 #define WHOLE_MAX (512u << 10) /* non-framed blobs decoded whole for a READ up to this size */
 #define QUEUE 1024             /* READs waiting for a thread (more: answered by Python) */
@@ -141,6 +142,13 @@ static int serve(const struct job *jb, int nowait, struct worker *w) {
     int r;
     fanstore_scratch_release(&w->s); /* s.frame: this READ's frame, if any, from here on */
     w->s.want_frame = 0;
+    if (k0 == k1) { /* large raw frames: checked and answered where they lie */
+        uint64_t base = k0 * chunk;
+        r = fanstore_mapread_range(jb->req, first + k0, jb->off - base, end - base, nowait,
+                                   reply_buf);
+        if (r != FANSTORE_MAPREAD_NO)
+            return r;
+    }
     if (k0 == k1) {
         uint64_t base = k0 * chunk;
         w->s.want_frame = !(jb->flags & O_DIRECT) && fanstore_push_on();
