@@ -144,3 +144,21 @@ def test_a_truncated_local_partition_gives_eio_and_the_daemon_lives_on(big, tmp_
         for pid in pids:  # the daemon must not die of a partition cut short (no SIGBUS)
             os.kill(pid, 0)
         assert path.stat().st_size == len(data)
+
+
+def test_a_whole_raw_blob_read_at_once_from_the_mapping(tmp_path: Path, state_dir: Path):
+    """`--frame-kib 0 --codec none`: a 400 KB file is one raw blob; an O_DIRECT read of all of
+    it is one READ answered from the mapping (its one xxh3 checked in place); a read of part of
+    it goes the pread way."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = random.Random(3).randbytes(400_000)
+    (src / "w.bin").write_bytes(data)
+    dest = prep_cli(src, tmp_path / "dest", "-p", "1", "--frame-kib", "0", "--codec", "none")
+    with mounted(dest, tmp_path / "mnt", state_dir) as mt:
+        path = mt.path / "w.bin"
+        assert _direct(path, [(0, 512 << 10)]) == [data]
+        c = _shim_counts(mt)
+        assert (c["c_mapread_reads"], c["c_mapread_bytes"]) == (1, len(data)), c
+        assert _direct(path, [(4096, 300 << 10)]) == [data[4096:4096 + (300 << 10)]]
+        assert _shim_counts(mt)["c_mapread_reads"] == 1

@@ -6,7 +6,8 @@
  * FUSE file's page cache (or the O_DIRECT reader's memory). For a READ of at least
  * MAPREAD_MIN bytes inside one framed blob (codec 3) whose frames are all stored raw (large
  * files of incompressible data: images, shards of already compressed records, random
- * tensors), the bytes are checked where they lie and the reply is written from there:
+ * tensors), or of a whole raw blob that large, the bytes are checked where they lie and the
+ * reply is written from there:
  *
  * - each local partition file is mapped once (read-only, shared), found by its (device, inode,
  *   size); the READ's pages are faulted in with MADV_POPULATE_READ, which returns an error for
@@ -27,7 +28,11 @@
  *
  * The mappings live until the held blobs are let go of (fanstore_mapread_forget, from
  * _shim_blobs.c's release): READs use them under a read lock, the forget takes it for writing.
- * FANSTORE_MAPREAD=0 turns this off (every READ pread into a buffer, as before). Splicing the
+ * Smaller READs (a small file's whole blob) are read with pread: mapping, populating and
+ * dropping 27 pages cost more than copying 110 KB (copy-cached cold passes of bench.cost's
+ * tree: 7.5-8.2k files/s mapped against 8.2-8.8k, twenty-first session).
+ * FANSTORE_MAPREAD=0 turns this off (every READ pread into a buffer, as before);
+ * FANSTORE_MAPREAD_MIN sets the least READ (bytes), for measurements. Splicing the
  * file range into /dev/fuse instead of the writev costs the same CPU (measured) but needs a
  * pipe of 2 MiB for a 1 MiB READ: more than fs.pipe-max-size allows without CAP_SYS_RESOURCE. */
 #define _GNU_SOURCE
@@ -62,6 +67,7 @@ static struct mapped {
 } maps[MAPS];
 static int nmaps;
 static int knob = -1; /* FANSTORE_MAPREAD: -1 not read yet */
+static uint64_t least = MAPREAD_MIN; /* FANSTORE_MAPREAD_MIN (bytes), for measurements */
 static unsigned long long answered, answered_bytes;
 
 static int mapread_on(void) {
@@ -69,6 +75,9 @@ static int mapread_on(void) {
     if (k < 0) {
         const char *v = getenv("FANSTORE_MAPREAD");
         k = v == NULL || strcmp(v, "0") != 0;
+        const char *m = getenv("FANSTORE_MAPREAD_MIN");
+        if (m != NULL && *m != '\0')
+            least = strtoull(m, NULL, 10);
         __atomic_store_n(&knob, k, __ATOMIC_RELAXED);
     }
     return k;
@@ -111,57 +120,75 @@ void fanstore_mapread_forget(void) {
 
 int fanstore_mapread_range(fuse_req_t req, uint64_t blob, uint64_t lo, uint64_t hi, int nowait,
                            int (*reply)(fuse_req_t, const char *, size_t)) {
-    if (hi - lo < MAPREAD_MIN || !mapread_on())
+    if (!mapread_on() || hi - lo < least)
         return FANSTORE_MAPREAD_NO;
     const struct fanstore_blobs *b = &fanstore_blobs;
-    if (!fanstore_blob_held(blob) || b->codec[blob] != FANSTORE_CODEC_FRAMED)
+    if (!fanstore_blob_held(blob))
         return FANSTORE_MAPREAD_NO;
-    const struct fanstore_ftable *t;
-    int r = fanstore_table_get(blob, nowait, &t);
-    if (r != FANSTORE_BLOB_OK)
-        return r;
-    uint32_t k0 = (uint32_t)(lo / t->frame_size), k1 = (uint32_t)((hi - 1) / t->frame_size);
-    if (!fanstore_frames_raw(t, k0, k1)) {
-        fanstore_table_put(t);
+    int codec = b->codec[blob];
+    const struct fanstore_ftable *t = NULL;
+    uint32_t k0 = 0, k1 = 0;
+    uint64_t rel = 0, n, first_raw = 0;
+    int r;
+    if (codec == FANSTORE_CODEC_FRAMED) {
+        if ((r = fanstore_table_get(blob, nowait, &t)) != FANSTORE_BLOB_OK)
+            return r;
+        k0 = (uint32_t)(lo / t->frame_size);
+        k1 = (uint32_t)((hi - 1) / t->frame_size);
+        if (!fanstore_frames_raw(t, k0, k1)) {
+            fanstore_table_put(t);
+            return FANSTORE_MAPREAD_NO;
+        }
+        rel = t->offsets[k0];
+        n = t->offsets[k1 + 1] - rel;
+        first_raw = (uint64_t)k0 * t->frame_size;
+    } else if (codec == FANSTORE_CODEC_RAW && lo == 0 && hi == b->raw[blob]) {
+        n = b->stored[blob]; /* a whole raw blob (its one xxh3 covers all of it) */
+    } else {
         return FANSTORE_MAPREAD_NO;
     }
     int fd;
     int64_t at = fanstore_blob_locate(blob, &fd);
-    uint64_t rel = t->offsets[k0], n = t->offsets[k1 + 1] - rel;
     /* raw frames lie back to back, byte for byte: lo's place in the file */
-    uint64_t pos = (uint64_t)at + rel + (lo - (uint64_t)k0 * t->frame_size);
+    uint64_t pos = (uint64_t)at + rel + (lo - first_raw);
     struct stat st;
-    if (at < 0 || fstat(fd, &st) != 0) {
-        fanstore_table_put(t);
-        return FANSTORE_MAPREAD_NO;
+    char *base = NULL;
+    if (at < 0 || fstat(fd, &st) != 0)
+        r = FANSTORE_MAPREAD_NO;
+    else if ((uint64_t)st.st_size < (uint64_t)at + rel + n)
+        r = FANSTORE_BLOB_IO; /* a truncated partition, as a short pread */
+    else
+        r = FANSTORE_BLOB_OK;
+    if (r == FANSTORE_BLOB_OK) {
+        pthread_rwlock_rdlock(&maps_lock);
+        if ((base = mapping(fd, &st)) == NULL) {
+            pthread_rwlock_unlock(&maps_lock);
+            r = FANSTORE_MAPREAD_NO;
+        }
     }
-    if ((uint64_t)st.st_size < (uint64_t)at + rel + n) {
-        fanstore_table_put(t);
-        return FANSTORE_BLOB_IO; /* a truncated partition, as a short pread */
-    }
-    pthread_rwlock_rdlock(&maps_lock);
-    char *base = mapping(fd, &st);
-    if (base == NULL) {
+    if (base != NULL) {
+        char *span = base + at + rel;
+        char *page = (char *)((uintptr_t)span & ~(uintptr_t)(PAGE - 1));
+        size_t len = (size_t)(span + n - page);
+        if (nowait && fanstore_pages_missing(page, len) > 0)
+            r = FANSTORE_BLOB_AGAIN;
+        else if (madvise(page, len, MADV_POPULATE_READ) != 0)
+            r = errno == EINVAL ? FANSTORE_MAPREAD_NO : FANSTORE_BLOB_IO; /* EINVAL: < 5.14 */
+        else if (t != NULL)
+            r = fanstore_frames_decode(t, k0, k1, span, NULL);
+        else
+            r = fanstore_blob_decode(blob, span, span); /* checks in place: no copy */
+        if (r == FANSTORE_BLOB_OK) {
+            reply(req, base + pos, hi - lo);
+            __atomic_add_fetch(&answered, 1, __ATOMIC_RELAXED);
+            __atomic_add_fetch(&answered_bytes, hi - lo, __ATOMIC_RELAXED);
+        }
+        if (r != FANSTORE_BLOB_AGAIN)
+            madvise(page, len, MADV_DONTNEED); /* the page cache keeps them, evictable again */
         pthread_rwlock_unlock(&maps_lock);
+    }
+    if (t != NULL)
         fanstore_table_put(t);
-        return FANSTORE_MAPREAD_NO;
-    }
-    char *span = base + at + rel;
-    char *first = (char *)((uintptr_t)span & ~(uintptr_t)(PAGE - 1));
-    size_t len = (size_t)(span + n - first);
-    if (nowait && fanstore_pages_missing(first, len) > 0)
-        r = FANSTORE_BLOB_AGAIN;
-    else if (madvise(first, len, MADV_POPULATE_READ) != 0)
-        r = errno == EINVAL ? FANSTORE_MAPREAD_NO : FANSTORE_BLOB_IO; /* EINVAL: before 5.14 */
-    else if ((r = fanstore_frames_decode(t, k0, k1, span, NULL)) == FANSTORE_BLOB_OK) {
-        reply(req, base + pos, hi - lo);
-        __atomic_add_fetch(&answered, 1, __ATOMIC_RELAXED);
-        __atomic_add_fetch(&answered_bytes, hi - lo, __ATOMIC_RELAXED);
-    }
-    if (r != FANSTORE_BLOB_AGAIN)
-        madvise(first, len, MADV_DONTNEED); /* the page cache keeps them, evictable again */
-    pthread_rwlock_unlock(&maps_lock);
-    fanstore_table_put(t);
     return r;
 }
 
