@@ -142,7 +142,7 @@ static int serve(const struct job *jb, int nowait, struct worker *w) {
     int r;
     fanstore_scratch_release(&w->s); /* s.frame: this READ's frame, if any, from here on */
     w->s.want_frame = 0;
-    if (k0 == k1) { /* large raw frames: checked and answered where they lie */
+    if (k0 == k1 && !(jb->flags & O_DIRECT)) { /* large raw frames: checked where they lie */
         uint64_t base = k0 * chunk;
         r = fanstore_mapread_range(jb->req, first + k0, jb->off - base, end - base, nowait,
                                    reply_buf);
