@@ -13,7 +13,7 @@ One reader reads bench.cost's tree (N files of 90-130 KB, shuffled) once, file b
 Each pass prints its files/s, the mean time per file in open / read / close, the files read in
 each 50 ms of the pass (the stream's start shows as a dip: reads that miss the page cache then
 wait behind the stream's requests), and the stream's counters and thread CPU. ``--ab`` adds
-passes with that daemon environment (interleaved). Absolute rates swing between runs on this
+passes with that daemon environment (interleaved; ``--ab-copy``: copy cached ones too). Absolute rates swing between runs on this
 VM: compare the kinds within one run.
 """
 
@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="/tmp/fanstore-bench-cost")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--ab", action="append", default=[], metavar="KEY=VALUE[,K2=V2]")
+    ap.add_argument("--ab-copy", action="store_true",
+                    help="also a copy cached pass with each --ab environment")
     args = ap.parse_args(argv)
     work = Path(args.work)
     src, dest, rels = prep_tree(work, args.files)
@@ -127,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     kinds: dict[str, tuple[dict, bool]] = {"cold": ({}, False), "copy cached": ({}, True)}
     for ab in args.ab:
         kinds[f"cold {ab}"] = (dict(kv.split("=", 1) for kv in ab.split(",")), False)
+        if args.ab_copy:
+            kinds[f"copy cached {ab}"] = (kinds[f"cold {ab}"][0], True)
     results: dict[str, list[dict]] = {"ext4": [], **{k: [] for k in kinds}}
     try:
         for rnd in range(args.rounds):

@@ -144,7 +144,9 @@ def counts() -> dict[str, int]:
     (blobs reads found cold: 16 since the last stream start one), `stream_cache_segments` /
     `stream_cache_skipped` (disk-cache segments streamed / left out: over the budget);
     `c_mapread_reads` / `c_mapread_bytes`: large READs of raw frames answered from a mapping of
-    the local copy (_shim_mapread.c)."""
+    the local copy (_shim_mapread.c); `c_direct_reads` / `c_direct_bytes`: cold small blobs read
+    with O_DIRECT, `c_direct_gated`: nowait reads of them refused by the residency check
+    without starting any I/O (_shim_blobs.c)."""
     shim = _fastclose._shim
     if shim is None or not hasattr(shim, "read_counts"):
         return {}
@@ -157,4 +159,7 @@ def counts() -> dict[str, int]:
         out.update(zip(STREAM_COUNTS, map(int, shim.stream_counts())))
     if hasattr(shim, "mapread_counts"):
         out.update(zip(("c_mapread_reads", "c_mapread_bytes"), map(int, shim.mapread_counts())))
+    if hasattr(shim, "direct_counts"):
+        out.update(zip(("c_direct_reads", "c_direct_bytes", "c_direct_gated"),
+                       map(int, shim.direct_counts())))
     return out

@@ -221,6 +221,8 @@ char *fsr_serve_bare(const struct fsr_header *req, size_t len, int nowait, size_
             *again = 1;
             return NULL;
         }
+        if (fanstore_blob_direct(req->blob))
+            return NULL; /* the pread path: O_DIRECT, the stream's large folios kept */
         readahead(fd, (off64_t)at, len); /* exactly its bytes, in one request (MADV_RANDOM) */
         uintptr_t a = (uintptr_t)p & ~(uintptr_t)4095; /* read in here, as a pread would */
         if (madvise((void *)a, len + ((uintptr_t)p - a), MADV_POPULATE_READ) != 0)
