@@ -13,8 +13,8 @@ One reader reads bench.cost's tree (N files of 90-130 KB, shuffled) once, file b
 Each pass prints its files/s, the mean time per file in open / read / close, the files read in
 each 50 ms of the pass (the stream's start shows as a dip: reads that miss the page cache then
 wait behind the stream's requests), and the stream's counters and thread CPU. ``--ab`` adds
-passes with that daemon environment (interleaved; ``--ab-copy``: copy cached ones too). Absolute rates swing between runs on this
-VM: compare the kinds within one run.
+passes with that daemon environment (interleaved; ``--ab-copy``: copy cached ones too).
+Absolute rates swing between runs on this VM: compare the kinds within one run.
 """
 
 from __future__ import annotations
