@@ -1,5 +1,5 @@
 """Where a cold pass of small files goes, over time: ``python -m bench.coldstart [--files N]
-[--rounds R] [--ab KEY=VALUE]``.
+[--rounds R] [--ab KEY=VALUE] [--ab-copy]``.
 
 One reader reads bench.cost's tree (N files of 90-130 KB, shuffled) once, file by file with
 ``os.open`` / ``readv`` of 1 MiB / ``close``, from:
@@ -12,7 +12,8 @@ One reader reads bench.cost's tree (N files of 90-130 KB, shuffled) once, file b
   with a disk that costs nothing.
 Each pass prints its files/s, the mean time per file in open / read / close, the files read in
 each 50 ms of the pass (the stream's start shows as a dip: reads that miss the page cache then
-wait behind the stream's requests), and the stream's counters and thread CPU. ``--ab`` adds
+wait behind the stream's requests), the stream's counters and thread CPU, and how much of the
+page cache is in 2 MiB folios afterwards (`FileHugePages`). ``--ab`` adds
 passes with that daemon environment (interleaved; ``--ab-copy``: copy cached ones too).
 Absolute rates swing between runs on this VM: compare the kinds within one run.
 """
@@ -83,6 +84,17 @@ def stream_figures(fan: Fan, before: CpuSnapshot) -> dict:
     return out
 
 
+def file_huge_mib() -> float:
+    """The page cache in 2 MiB folios, machine-wide (`FileHugePages` of /proc/meminfo): after a
+    pass, most of it is the local copy's (the stream's MADV_HUGEPAGE windows); a copy whose cold
+    reads left small folios behind has less."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("FileHugePages:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def fan_pass(work: Path, dest: Path, rels: list[str], env: dict, copy_cached: bool) -> dict:
     fan = Fan(work, dest, "cs", 1, [], env)
     try:
@@ -94,6 +106,7 @@ def fan_pass(work: Path, dest: Path, rels: list[str], env: dict, copy_cached: bo
         r = read_pass(fan.mps[0], rels)
         r["vm"] = _vmnoise.since(vm0)
         r.update(stream_figures(fan, cpu0))
+        r["file_huge_mib"] = file_huge_mib()
         return r
     finally:
         fan.close()
@@ -104,7 +117,8 @@ def show(name: str, r: dict) -> None:
     if "stream_bytes" in r:
         extra = (f"; {r.get('stream_runs', 0)} stream(s) after {r.get('stream_cold', 0)} cold reads, "
                  f"{r['stream_bytes'] / 1e6:,.0f} MB in {r.get('stream_ns', 0) / 1e6:,.0f} ms"
-                 f", its thread {r.get('stream_cpu_ms', 0):,.0f} ms CPU")
+                 f", its thread {r.get('stream_cpu_ms', 0):,.0f} ms CPU"
+                 f", {r.get('file_huge_mib', 0):,.0f} MiB of the page cache in 2 MiB folios")
     print(f"  {name:28} {r['files_per_s']:>7,.0f} files/s; per file open {r['open_us']:,.0f} "
           f"read {r['read_us']:,.0f} close {r['close_us']:,.0f} us{extra}"
           f"{_vmnoise.describe(r.get('vm', {}))}")
