@@ -215,7 +215,8 @@ char *fsr_serve_bare(const struct fsr_header *req, size_t len, int nowait, size_
     if (base == NULL)
         return NULL; /* pread then */
     char *p = base + at;
-    if (fanstore_pages_missing(p, len) != 0) {
+    int in_cache = fanstore_range_resident(fd, (off_t)at, len); /* else mincore: */
+    if (in_cache == 0 || (in_cache < 0 && fanstore_pages_missing(p, len) != 0)) {
         if (nowait) {
             fanstore_stream_cold(fanstore_blobs.part[req->blob]);
             *again = 1;
