@@ -79,6 +79,8 @@ static __thread size_t bounce_cap;
 /* 1 when every page of [off, off + n) of `fd` is in the page cache, 0 when not, -1 when
  * cachestat is not to be had here. */
 int fanstore_range_resident(int fd, off_t off, size_t n) {
+    if (n == 0)
+        return 1; /* (cachestat reads a length of 0 as "to the end of the file") */
     struct fs_cachestat_range r = {(uint64_t)off, n};
     struct fs_cachestat cs;
     if (syscall(__NR_cachestat, fd, &r, &cs, 0) != 0)
@@ -236,7 +238,7 @@ int fanstore_blob_pread(uint64_t blob, uint64_t rel, size_t n, void *buf, int no
     off_t off = (off_t)(at + (int64_t)rel);
     uint32_t part = fanstore_blobs.part[blob];
     int in_cache = 1;
-    if (rel == 0 && n == fanstore_blobs.stored[blob] && n <= direct_max && dfds != NULL &&
+    if (rel == 0 && n > 0 && n == fanstore_blobs.stored[blob] && n <= direct_max && dfds != NULL &&
         dfds[part] >= 0 && __atomic_load_n(&direct_ok, __ATOMIC_RELAXED) &&
         (in_cache = fanstore_range_resident(fd, off, n)) == 0) {
         if (nowait) { /* no buffered read: it would start the read-ahead in small folios */
