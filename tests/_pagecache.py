@@ -8,6 +8,7 @@ import ctypes
 import mmap
 import os
 import time
+from pathlib import Path
 
 
 def resident_pages(fd: int, offset: int = 0, length: int | None = None) -> int:
@@ -31,6 +32,26 @@ def resident_pages(fd: int, offset: int = 0, length: int | None = None) -> int:
         return sum(b & 1 for b in vec.raw)
     finally:
         libc.munmap(addr, length)
+
+
+def staged_copies(local: Path) -> list[Path]:
+    """The partition copies a daemon staged under its local dir (at least one)."""
+    parts = sorted(local.rglob("*.fsp"))
+    assert parts, f"no staged copies under {local}"
+    return parts
+
+
+def files_pages(paths) -> tuple[int, int]:
+    """(resident, total) pages of the files."""
+    resident = total = 0
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            resident += resident_pages(fd)
+            total += (os.fstat(fd).st_size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        finally:
+            os.close(fd)
+    return resident, total
 
 
 def page_cache_drops() -> int:

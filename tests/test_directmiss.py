@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from _harness import mounted, prep_cli, status_ranks
-from _pagecache import drop_page_cache, resident_pages
+from _pagecache import drop_page_cache, files_pages, staged_copies
 
 from fanstore_fuse import _fastclose
 
@@ -40,26 +40,9 @@ def _tree(src: Path, seed: int) -> dict[str, bytes]:
     return files
 
 
-def _copies(local: Path) -> list[Path]:
-    parts = sorted(local.rglob("*.fsp"))
-    assert parts, f"no staged copies under {local}"
-    return parts
-
-
-def _resident(parts: list[Path]) -> int:
-    total = 0
-    for p in parts:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            total += resident_pages(fd)
-        finally:
-            os.close(fd)
-    return total
-
-
 def _evict(parts: list[Path]) -> None:
     drop_page_cache(parts)
-    assert _resident(parts) == 0
+    assert files_pages(parts)[0] == 0
     os.system("echo 1 > /proc/sys/vm/drop_caches")  # the mount's own cached pages too
 
 
@@ -84,7 +67,7 @@ def test_cold_small_files_are_read_around_the_page_cache(tmp_path, state_dir, kn
     local = tmp_path / "local"
     env = {"FANSTORE_DIRECT_MISS": knob} if knob else {}
     with mounted(dest, tmp_path / "mnt", state_dir, local=local, env=env) as m:
-        parts = _copies(local)
+        parts = staged_copies(local)
         _evict(parts)
         before = _shim(m)
         for rel, body in files.items():
@@ -95,11 +78,11 @@ def test_cold_small_files_are_read_around_the_page_cache(tmp_path, state_dir, kn
         assert c["c_read_fallbacks"] == 0 and c["stream_runs"] == 0, c
         if knob == "0":  # off: buffered reads, which leave the blobs in the page cache
             assert direct == 0 and gated == 0, c
-            assert _resident(parts) > 0
+            assert files_pages(parts)[0] > 0
         else:
             assert direct == FILES and gated == FILES, c
             assert c["c_direct_bytes"] - before["c_direct_bytes"] >= sum(map(len, files.values()))
-            assert _resident(parts) == 0  # not one page of the copy read into the page cache
+            assert files_pages(parts)[0] == 0  # not one page of the copy read into the page cache
             # read again from the mount's page cache; evicted, the copy is read directly again
             for rel, body in files.items():
                 assert _read(m.path / rel) == body, rel
@@ -133,7 +116,7 @@ def test_a_damaged_copy_read_directly_gives_eio_never_bad_bytes(tmp_path, state_
     dest = prep_cli(tmp_path / "src", tmp_path / "dest")
     local = tmp_path / "local"
     with mounted(dest, tmp_path / "mnt", state_dir, local=local) as m:
-        parts = _copies(local)
+        parts = staged_copies(local)
         if damage == "flipped bit":
             _flip_one_byte_per_part(parts)
         else:

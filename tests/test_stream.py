@@ -6,7 +6,6 @@ file compared byte for byte; then the copies' residency and the counters in `sta
 from __future__ import annotations
 
 import functools
-import mmap
 import os
 import random
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from _harness import c_remote, mounted, prep_cli, status_ranks
-from _pagecache import drop_page_cache, resident_pages
+from _pagecache import drop_page_cache, files_pages, staged_copies
 
 from fanstore_fuse import _fastclose
 
@@ -32,25 +31,6 @@ def _tree(src: Path, n: int = 300, seed: int = 3) -> dict[str, bytes]:
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
         (src / rel).write_bytes(body)
     return files
-
-
-def _copies(local: Path) -> list[Path]:
-    parts = sorted(local.rglob("*.fsp"))
-    assert parts, f"no staged copies under {local}"
-    return parts
-
-
-def _pages(parts: list[Path]) -> tuple[int, int]:
-    """(resident, total) pages of the files."""
-    resident = total = 0
-    for p in parts:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            resident += resident_pages(fd)
-            total += (os.fstat(fd).st_size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-        finally:
-            os.close(fd)
-    return resident, total
 
 
 def _read_all(root: Path, files: dict[str, bytes], seed: int) -> None:
@@ -74,7 +54,7 @@ def _cold_pass(m, parts: list[Path], read, want, tries: int = 20, rank: int = 0)
     proven. So the passes repeat."""
     for _ in range(tries):
         drop_page_cache(parts)
-        assert _pages(parts)[0] == 0
+        assert files_pages(parts)[0] == 0
         os.system("echo 1 > /proc/sys/vm/drop_caches")  # the mount's own cached pages too
         read()
         deadline = time.monotonic() + 2  # a stream the pass started shows up in stream_runs
@@ -96,7 +76,7 @@ def _wait_streamed(m, parts: list[Path], runs: int, rank: int = 0) -> dict[str, 
     deadline = time.monotonic() + 30
     while True:
         c = _shim(m, rank)
-        resident, total = _pages(parts)
+        resident, total = files_pages(parts)
         if c["stream_runs"] >= runs and resident >= total - total // 50:
             return c
         assert time.monotonic() < deadline, (
@@ -112,7 +92,7 @@ def test_cold_reads_stream_the_local_copy_into_the_page_cache(tmp_path, state_di
     dest = prep_cli(tmp_path / "src", tmp_path / "dest")
     local = tmp_path / "local"
     with mounted(dest, tmp_path / "mnt", state_dir, local=local) as m:
-        parts = _copies(local)
+        parts = staged_copies(local)
         for k in (1, 2):
             time.sleep(0.3)  # past the gap a stream keeps after the last one (250 ms)
             base = _shim(m)["stream_cold"]
@@ -136,7 +116,7 @@ def test_streaming_off_or_over_budget_reads_only_what_is_asked(tmp_path, state_d
     local = tmp_path / "local"
     with mounted(dest, tmp_path / "mnt", state_dir, local=local,
                  env={"FANSTORE_STREAM_IN": knob}) as m:
-        parts = _copies(local)
+        parts = staged_copies(local)
         # a part of the files (most of the copy is never asked for), read in reverse layout
         # order (prep packs files in path order): the kernel's read-ahead runs forward from
         # each miss, over files already read, so every file is a miss however large
@@ -155,7 +135,7 @@ def test_streaming_off_or_over_budget_reads_only_what_is_asked(tmp_path, state_d
         c = _shim(m)
         assert c["stream_runs"] == 0 and c["stream_bytes"] == 0, c
         assert (c["stream_refused"] >= 1) == (knob != "0"), c
-        resident, total = _pages(parts)
+        resident, total = files_pages(parts)
         assert resident < total // 2, (resident, total)
 
 
@@ -173,7 +153,7 @@ def test_a_serving_rank_streams_its_copy_when_peers_find_it_cold(tmp_path, state
         while not all(r["c_remote"]["ready"] for r in status_ranks(m.status())):
             assert time.monotonic() < deadline, "the C remote threads never became ready"
             time.sleep(0.05)
-        parts = _copies(local / "1")
+        parts = staged_copies(local / "1")
         _cold_pass(m, parts, functools.partial(_read_all, Path(m.mountpoints[0]), files, seed=2),
                    lambda c: c["stream_cold"] >= 16, rank=1)
         c = _wait_streamed(m, parts, runs=1, rank=1)
@@ -206,7 +186,7 @@ def test_cold_reads_of_the_disk_cache_stream_its_segments_in(tmp_path, state_dir
         time.sleep(0.5)  # the writer thread's last batch
         segments = sorted((local / "0" / "cache").glob("seg-*.fsc"))
         assert segments, list((local / "0").rglob("*"))
-        parts = _copies(local / "0") + segments
+        parts = staged_copies(local / "0") + segments
         time.sleep(0.3)  # past the gap after epoch 1's streams
         runs = _shim(m)["stream_runs"]
         want = ((lambda c: c["stream_cache_segments"] >= 1) if knob == "1"
@@ -215,7 +195,7 @@ def test_cold_reads_of_the_disk_cache_stream_its_segments_in(tmp_path, state_dir
         assert c["stream_cache_skipped"] == 0 and c["c_cache_fallbacks"] == 0, c
         if knob == "1":
             deadline = time.monotonic() + 30
-            while (res := _pages(segments))[0] < res[1] - res[1] // 50:
+            while (res := files_pages(segments))[0] < res[1] - res[1] // 50:
                 assert time.monotonic() < deadline, (res, c)
                 time.sleep(0.1)
         else:

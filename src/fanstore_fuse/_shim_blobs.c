@@ -49,8 +49,8 @@ static int nowait_ok = 1; /* cleared for good when the file system refuses RWF_N
  * read that misses, RWF_NOWAIT ones included, starts the page cache's read-ahead there, in
  * small folios; a 2 MiB range holding any of them can no longer take one large folio, so the
  * stream (_shim_stream.c) then fills the rest of the copy page by page: measured on the bench's
- * copy, 36-46 ms of the stream's CPU per pass instead of 7-10, and 130-150 ms instead of 80-100
- * for the stream itself (docs/performance.md). So a whole blob of at most direct_max bytes is
+ * copy, 35-60 ms of the stream's CPU per pass instead of 7-10, and 109-158 ms instead of
+ * 83-120 for the stream itself (docs/performance.md, twenty-second session). So a whole blob of at most direct_max bytes is
  * first looked up in the page cache with cachestat(2) (Linux 6.5; ~0.5 us, against 2.4 for
  * mincore through a mapping and 7 for the RWF_NOWAIT read itself): not wholly resident, the
  * nowait read gives AGAIN without starting any I/O, and the blocking read reads exactly the
@@ -187,11 +187,17 @@ static int direct_pread(int dfd, off_t off, size_t n, void *buf) {
     return FANSTORE_BLOB_OK;
 }
 
-int fanstore_blob_direct(uint64_t blob) {
-    int fd;
-    return direct_max > 0 && where(blob, &fd) >= 0 && fanstore_blobs.stored[blob] <= direct_max &&
+/* Whether a read of `n` bytes of held `blob` from `rel` is one the O_DIRECT path takes: the
+ * whole blob, with bytes, at most direct_max of them, its partition open with O_DIRECT. */
+static int direct_candidate(uint64_t blob, uint64_t rel, size_t n) {
+    return rel == 0 && n > 0 && n == fanstore_blobs.stored[blob] && n <= direct_max &&
            dfds != NULL && dfds[fanstore_blobs.part[blob]] >= 0 &&
            __atomic_load_n(&direct_ok, __ATOMIC_RELAXED);
+}
+
+int fanstore_blob_direct(uint64_t blob) {
+    int fd;
+    return where(blob, &fd) >= 0 && direct_candidate(blob, 0, fanstore_blobs.stored[blob]);
 }
 
 /* An O_DIRECT descriptor of each held partition (none when FANSTORE_DIRECT_MISS=0). */
@@ -238,9 +244,7 @@ int fanstore_blob_pread(uint64_t blob, uint64_t rel, size_t n, void *buf, int no
     off_t off = (off_t)(at + (int64_t)rel);
     uint32_t part = fanstore_blobs.part[blob];
     int in_cache = 1;
-    if (rel == 0 && n > 0 && n == fanstore_blobs.stored[blob] && n <= direct_max && dfds != NULL &&
-        dfds[part] >= 0 && __atomic_load_n(&direct_ok, __ATOMIC_RELAXED) &&
-        (in_cache = fanstore_range_resident(fd, off, n)) == 0) {
+    if (direct_candidate(blob, rel, n) && (in_cache = fanstore_range_resident(fd, off, n)) == 0) {
         if (nowait) { /* no buffered read: it would start the read-ahead in small folios */
             __atomic_add_fetch(&gated_again, 1, __ATOMIC_RELAXED);
             fanstore_stream_cold(part);
@@ -250,7 +254,7 @@ int fanstore_blob_pread(uint64_t blob, uint64_t rel, size_t n, void *buf, int no
         if (r != FANSTORE_BLOB_AGAIN)
             return r;
         /* O_DIRECT refused here: the buffered read below */
-    } else if (in_cache < 0 && rel == 0 && n <= direct_max && dfds != NULL) {
+    } else if (in_cache < 0) {
         __atomic_store_n(&direct_ok, 0, __ATOMIC_RELAXED); /* no cachestat: buffered reads */
     }
     while (n > 0) {

@@ -90,7 +90,7 @@ void fanstore_stream_allow(void); /* (hold_blobs, once the new blobs are in plac
 /* `n` stored bytes of `blob` from `rel` bytes into them, into `buf` (the whole blob: rel 0,
  * n = stored[blob]). nowait: only from the page cache (preadv2 RWF_NOWAIT), AGAIN at once
  * otherwise. A whole blob of at most FANSTORE_DIRECT_MISS bytes (default 1 MiB) is looked up
- * with mincore first: not wholly resident, nowait gives AGAIN without any I/O and a blocking
+ * with cachestat(2) first: not wholly resident, nowait gives AGAIN without any I/O and a blocking
  * read reads it with O_DIRECT (no page cache filled; see _shim_blobs.c). OK, AGAIN, NOT_HELD,
  * IO or NOMEM. */
 int fanstore_blob_pread(uint64_t blob, uint64_t rel, size_t n, void *buf, int nowait);
