@@ -11,7 +11,11 @@ Starts a 2-node cluster (scripts/minicluster/) and runs one batch job on it:
    ``--replicas 1``), then on n1 (rank 1), each cold: the 4 MiB chunks of file ``a`` that rank 0
    holds, read alone ("remote": every byte comes over MPI), and all of file ``b`` ("whole":
    local and remote chunks, as a reader sees it). The rank's ``remote_bytes`` counter checks
-   what came over MPI.
+   what came over MPI. Between them, the chunks of ``a`` that rank 1 holds ("local": the same
+   FUSE path without MPI, the ceiling for remote reads on this node), and ``remote_over_local``.
+   Each read also reports the machine's busy and idle CPU seconds, the CPU seconds of every
+   thread on the reading node, and the status counters that moved on each rank; ``--perf DIR``
+   adds a ``perf record -a -g`` of the machine per read (kept in DIR; the reports' first rows).
 
 Prints one JSON object. The machine is shared: compare figures of one run, not across runs.
 """
@@ -21,6 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,18 +46,92 @@ MPIR_CVAR_CH4_NETMOD=ucx srun -N2 --ntasks-per-node=1 --mpi=pmi2 python bench/_m
 MNT=/tmp/fsbw-$SLURM_JOB_ID
 srun --ntasks-per-node=1 mkdir -p $MNT
 fanstore-fuse mount {dest} $MNT --local /tmp/fsbw-local-$SLURM_JOB_ID --replicas 1 || exit 1
-srun -N1 -w n1 python -m bench._cluster_bw read --rank 1 --mnt $MNT --dest {dest} > {out}/read.json
+srun -N1 -w n1 python -m bench._cluster_bw read --rank 1 --mnt $MNT --dest {dest} {perf} \
+  > {out}/read.json
 srun --overlap --ntasks-per-node=1 fanstore-fuse umount $MNT
 """
 
 
-def _remote_bytes(mnt: str, rank: int) -> int:
+def _stats(mnt: str) -> dict[int, dict]:
     data = json.loads(os.getxattr(mnt, "user.fanstore.status"))
-    return next(r["stats"]["remote_bytes"] for r in data["ranks"] if r["rank"] == rank)
+    return {r["rank"]: {k: v for k, v in r.items() if k != "rank"} for r in data["ranks"]}
 
 
-def _timed_read(mnt: str, rank: int, path: str, ranges: list[tuple[int, int]]) -> dict:
-    before = _remote_bytes(mnt, rank)
+def _cpu_busy() -> tuple[float, float]:
+    """(busy, idle) CPU seconds of the whole machine so far, from /proc/stat (all nodes of the
+    one-machine cluster share it)."""
+    with open("/proc/stat") as f:
+        t = [int(x) for x in f.readline().split()[1:]]
+    hz = os.sysconf("SC_CLK_TCK")
+    idle = t[3] + t[4]
+    return (sum(t[:8]) - idle) / hz, idle / hz
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds of every thread this node's /proc shows, by 'pid:comm/tid:name', from each
+    thread's schedstat (exact; the daemons name their Python threads in `status` too)."""
+    out: dict[str, float] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                pcomm = f.read().strip()
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    name = f.read().strip()
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    out[f"{pid}:{pcomm}/{tid}:{name}"] = int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def _moved(before: dict, after: dict) -> dict:
+    """The counters that changed, per rank (nested dicts flattened with a dot)."""
+    out: dict = {}
+
+    def walk(a: dict, b: dict, prefix: str) -> None:
+        for k, v in b.items():
+            w = a.get(k) if isinstance(a, dict) else None
+            if isinstance(v, dict):
+                walk(w if isinstance(w, dict) else {}, v, f"{prefix}{k}.")
+            elif isinstance(v, (int, float)) and not isinstance(v, bool) and v != (w or 0):
+                out[f"{prefix}{k}"] = round(v - (w or 0), 6)
+
+    walk(before, after, "")
+    return out
+
+
+def _perf_start(out: str | None) -> subprocess.Popen | None:
+    """`perf record -a -g` into `out` (None: no profile): the whole machine, which every node of
+    the one-machine cluster shares (both daemons, the reader, the kernel's network work)."""
+    if out is None:
+        return None
+    p = subprocess.Popen(["perf", "record", "-q", "-a", "-g", "-F", "2999", "-o", out],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)  # perf attaches
+    return p
+
+
+def _perf_stop(p: subprocess.Popen | None, out: str) -> None:
+    """Stop the recording; write its report by thread and symbol (`out`.txt) and the same with
+    the callers of each row above 2% (`out`.callers.txt) beside it."""
+    if p is None:
+        return
+    p.send_signal(signal.SIGINT)
+    p.wait(timeout=60)
+    report = ["perf", "report", "-i", out, "--no-children", "--sort", "pid,dso,sym", "--stdio"]
+    for suffix, extra in ((".txt", ["-g", "none", "--percent-limit", "0.5"]),
+                          (".callers.txt", ["-g", "caller,0.5,callee", "--percent-limit", "2"])):
+        with open(out + suffix, "w") as f:
+            subprocess.run(report + extra, stdout=f, stderr=subprocess.DEVNULL, timeout=300)
+
+
+def _timed_read(mnt: str, rank: int, path: str, ranges: list[tuple[int, int]],
+                perf_out: str | None = None) -> dict:
+    prof = _perf_start(perf_out)
+    start = _stats(mnt)
+    threads0 = _thread_cpu()
+    busy0, idle0 = _cpu_busy()
     n = 0
     t0 = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
@@ -64,12 +145,21 @@ def _timed_read(mnt: str, rank: int, path: str, ranges: list[tuple[int, int]]) -
                 off += len(got)
                 n += len(got)
     dt = time.perf_counter() - t0
-    remote = _remote_bytes(mnt, rank) - before
+    if perf_out is not None:
+        _perf_stop(prof, perf_out)
+    busy1, idle1 = _cpu_busy()
+    threads1 = _thread_cpu()
+    by_thread = {k: round(v - threads0.get(k, 0.0), 4) for k, v in threads1.items()
+                 if v - threads0.get(k, 0.0) >= 1e-4}
+    end = _stats(mnt)
+    remote = end[rank]["stats"]["remote_bytes"] - start[rank]["stats"]["remote_bytes"]
     return {"bytes": n, "seconds": round(dt, 3), "MB_per_s": round(n / dt / 1e6, 1),
-            "remote_bytes": remote}
+            "remote_bytes": remote, "cpu_busy_s": round(busy1 - busy0, 3),
+            "cpu_idle_s": round(idle1 - idle0, 3), "cpu_s_by_thread_on_this_node": by_thread,
+            "counters": {str(r): _moved(start.get(r, {}), end[r]) for r in sorted(end)}}
 
 
-def read_on_node(mnt: str, dest: str, rank: int) -> dict:
+def read_on_node(mnt: str, dest: str, rank: int, perf_dir: str | None = None) -> dict:
     """On `rank`: file a's chunks held by the other rank only, then all of file b, both cold."""
     from fanstore_fuse._format import MANIFEST_NAME
     from fanstore_fuse._manifest import read_manifest
@@ -82,13 +172,31 @@ def read_on_node(mnt: str, dest: str, rank: int) -> dict:
     first, count = int(man.entries["first"][i]), int(man.entries["count"][i])
     pl = Placement(2, 1)
     remote = [(k * CHUNK, CHUNK) for k in range(count) if not pl.holds(rank, first + k)]
+    local = [(k * CHUNK, CHUNK) for k in range(count) if pl.holds(rank, first + k)]
     size_b = os.path.getsize(os.path.join(mnt, "b.bin"))
-    return {"rank": rank, "chunks_of_a_remote": f"{len(remote)}/{count}",
-            "remote": _timed_read(mnt, rank, os.path.join(mnt, "a.bin"), remote),
-            "whole": _timed_read(mnt, rank, os.path.join(mnt, "b.bin"), [(0, size_b)])}
+
+    def perf(name: str) -> str | None:
+        return perf_dir and os.path.join(perf_dir, f"perf-{name}.data")
+
+    a, b = os.path.join(mnt, "a.bin"), os.path.join(mnt, "b.bin")
+    out = {"rank": rank, "chunks_of_a_remote": f"{len(remote)}/{count}",
+           "remote": _timed_read(mnt, rank, a, remote, perf("remote")),
+           "local": _timed_read(mnt, rank, a, local, perf("local")),
+           "whole": _timed_read(mnt, rank, b, [(0, size_b)], perf("whole"))}
+    out["remote_over_local"] = round(out["remote"]["MB_per_s"] / out["local"]["MB_per_s"], 2)
+    return out
 
 
-def run(size_mib: int, root: str) -> dict:
+def _report_head(path: Path, rows: int = 40) -> list[str]:
+    """The first `rows` sample rows of a perf report (comment lines dropped)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    return [ln for ln in lines if ln.strip() and not ln.startswith("#")][:rows]
+
+
+def run(size_mib: int, root: str, perf: str | None = None) -> dict:
     sys.path.insert(0, str(REPO / "scripts" / "minicluster"))
     sys.path.insert(0, str(REPO / "tests"))
     from _harness import prep_cli
@@ -106,7 +214,8 @@ def run(size_mib: int, root: str) -> dict:
                     f.write(os.urandom(1 << 20))
         dest = prep_cli(src, work / "dest", "-p", "2", "--chunk-mib", str(CHUNK >> 20))
         script = work / "bw.sbatch"
-        script.write_text(JOB.format(repo=REPO, out=work, dest=dest))
+        script.write_text(JOB.format(repo=REPO, out=work, dest=dest,
+                                       perf=f"--perf {work}" if perf else ""))
         env = c.env(PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
         for k in ("FANSTORE_STATE_DIR", "TMPDIR"):
             env.pop(k, None)
@@ -119,6 +228,12 @@ def run(size_mib: int, root: str) -> dict:
                 out[name] = json.loads(p.read_text())
             except (OSError, ValueError):
                 out[name] = None
+        if perf:
+            os.makedirs(perf, exist_ok=True)
+            for p in work.glob("perf-*"):
+                shutil.copy(p, perf)
+            out["perf"] = {name: _report_head(work / f"perf-{name}.data.txt")
+                           for name in ("remote", "local", "whole")}
         if res.exit_code != 0:
             out["output"] = res.output[-2000:]
         return out
@@ -134,11 +249,15 @@ def main() -> None:
     ap.add_argument("--mnt")
     ap.add_argument("--rank", type=int, default=1)
     ap.add_argument("--dest")
+    ap.add_argument("--perf", metavar="DIR",
+                    help="perf record -a -g the machine during each read; the data and reports\n"
+                         "(by thread and symbol, and with callers) go to DIR, the reports'\n"
+                         "first rows under 'perf'")
     a = ap.parse_args()
     if a.action == "read":
-        print(json.dumps(read_on_node(a.mnt, a.dest, a.rank)))
+        print(json.dumps(read_on_node(a.mnt, a.dest, a.rank, a.perf)))
     else:
-        print(json.dumps(run(a.size_mib, a.dir), indent=1))
+        print(json.dumps(run(a.size_mib, a.dir, a.perf), indent=1))
 
 
 if __name__ == "__main__":

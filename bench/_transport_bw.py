@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import resource
-import threading
 import time
 
 import numpy as np
@@ -39,6 +38,7 @@ rc.thread_level = "multiple"
 from mpi4py import MPI  # noqa: E402
 
 from fanstore_fuse._blobstore import BlobStore  # noqa: E402
+from fanstore_fuse._cluster import thread_cpu_s  # noqa: E402
 from fanstore_fuse._compose import compose  # noqa: E402
 from fanstore_fuse._cremote import CRemote  # noqa: E402
 from fanstore_fuse._format import MANIFEST_NAME  # noqa: E402
@@ -54,23 +54,9 @@ def cpu() -> float:
 
 
 def thread_cpu(kind: str = "run") -> dict[str, float]:
-    """Seconds of this process's threads, summed by thread name, from each thread's schedstat
-    (ns, not the 10 ms ticks of /proc/PID/task/TID/stat): `run` on a CPU, or `wait` runnable on a
-    run queue (waiting for a CPU: what other load costs the thread)."""
-    out: dict[str, float] = {}
-    col = 0 if kind == "run" else 1
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                ns = int(f.read().split()[col])
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                comm = f.read().strip()  # C threads: their own name (fsr-remote, fsr-worker)
-        except OSError:
-            continue
-        key = names.get(int(tid), comm).split("_")[0].split(" ")[0]
-        out[key] = out.get(key, 0.0) + ns / 1e9
-    return out
+    """Seconds of this process's threads by name: `run` on a CPU, or `wait` runnable on a run
+    queue (waiting for a CPU: what other load costs the thread); `thread_cpu_s`."""
+    return thread_cpu_s(0 if kind == "run" else 1)
 
 
 def per_gb(before: dict[str, float], after: dict[str, float], nbytes: float) -> dict[str, int]:

@@ -10,25 +10,60 @@ on bare metal has no such step.
 
 While CMD runs, reporting waits `--hold-ms` (default 60 s) after memory is freed, so the
 memory a pass frees is still backed when the next pass takes it; every system in the run is
-measured under the same setting. The old value is put back when CMD ends (also on Ctrl-C or a
-failure). Where the knob is absent (another kernel) or not writable (not root), CMD runs as it
-is; a line says which. The exit status is CMD's.
+measured under the same setting.
+
+Memory this VM has not touched since it booted (or since it was last reported) is not backed
+either: the first write to each page waits for the host, ~2.2 s per GiB here (measured: 6 GiB
+touched in 13.4 s). Whatever phase of a bench first takes such pages pays it: the Slurm
+cluster bench's whole-file pass ran at 350-555 MB/s in 5 of 6 runs with the disk cache on
+(its writer and the FUSE thread copying into fresh page cache at ~0.3-0.4 GB/s) and at
+1,404-1,545 MB/s after a prefault (docs/performance.md, twenty-third session). So before CMD
+runs, `--prefault-gib` (default 6; 0: none) GiB are written once and freed, while reporting
+is held back: the pages the bench then takes are backed.
+
+The old value is put back when CMD ends (also on Ctrl-C or a failure). Where the knob is absent
+(another kernel) or not writable (not root), CMD runs as it is, without a prefault; a line says
+which. The exit status is CMD's.
 """
 
 from __future__ import annotations
 
+import mmap
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 MIN_FREE_MS = Path("/sys/module/page_reporting/parameters/min_free_ms")
 
 
+MADV_POPULATE_WRITE = 23  # Linux 5.14; mmap has no name for it before Python 3.13
+
+
+def touch(nbytes: int) -> None:
+    """Write `nbytes` of anonymous memory once, then free it: the host backs those pages."""
+    t0 = time.monotonic()
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(MADV_POPULATE_WRITE)
+    except OSError:  # an older kernel: write a byte in each page
+        for off in range(0, nbytes, mmap.PAGESIZE):
+            m[off] = 1
+    m.close()
+    print(f"[calm] {nbytes >> 30} GiB of memory touched and freed in "
+          f"{time.monotonic() - t0:.1f} s", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     hold = 60000
-    if args[:1] == ["--hold-ms"] and len(args) > 1:
-        hold, args = int(args[1]), args[2:]
+    prefault = 6
+    while len(args) > 1 and args[0] in ("--hold-ms", "--prefault-gib"):
+        if args[0] == "--hold-ms":
+            hold = int(args[1])
+        else:
+            prefault = int(args[1])
+        args = args[2:]
     if not args:
         print(__doc__.split("\n")[0], file=sys.stderr)
         return 2
@@ -38,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         MIN_FREE_MS.write_text(str(hold))
         print(f"[calm] free page reporting held back {hold} ms while this runs (was {old})",
               flush=True)
+        if prefault > 0:
+            touch(prefault << 30)
     except OSError as e:
         print(f"[calm] free page reporting left as it is ({MIN_FREE_MS}: {e.strerror})",
               flush=True)

@@ -183,6 +183,9 @@ def test_statfs_and_xattrs(src_tree: Path, dest: Path, mount_factory):
     # Reads of blobs held here are answered by the C shim (`fuse_shim`) or by Python (`stats`).
     c_reads = sum(r["fuse_shim"].get("c_reads", 0) for r in status_ranks(st))
     assert tot["local_reads"] + c_reads >= 3 and tot["errors"] == 0
+    # The daemon's CPU seconds by thread name: its FUSE request thread has answered requests.
+    cpu = status_ranks(st)[0]["cpu_s_by_thread"]
+    assert "fanstore-fuse0" in cpu and all(v >= 0 for v in cpu.values()), cpu
     assert "user.fanstore.status" in os.listxattr(m.path)
     # `status` prints the same counters.
     data = m.status()
