@@ -8,18 +8,21 @@ docs/performance.md, which hit every system (squashfuse's seq1M runs of 597-827 
 2,025-2,119 in one run; fanstore-fuse's 627-907 beside 1,569-1,720 in another). A cluster node
 on bare metal has no such step.
 
-While CMD runs, reporting waits `--hold-ms` (default 60 s) after memory is freed, so the
-memory a pass frees is still backed when the next pass takes it; every system in the run is
-measured under the same setting.
+While CMD runs, reporting waits `--hold-ms` (default 300 s, the most this kernel takes) after
+memory is freed, so the memory a pass frees is still backed when the next pass takes it;
+every system in the run is measured under the same setting.
 
 Memory this VM has not touched since it booted (or since it was last reported) is not backed
 either: the first write to each page waits for the host, ~2.2 s per GiB here (measured: 6 GiB
 touched in 13.4 s). Whatever phase of a bench first takes such pages pays it: the Slurm
-cluster bench's whole-file pass ran at 350-555 MB/s in 5 of 6 runs with the disk cache on
-(its writer and the FUSE thread copying into fresh page cache at ~0.3-0.4 GB/s) and at
-1,404-1,545 MB/s after a prefault (docs/performance.md, twenty-third session). So before CMD
-runs, `--prefault-gib` (default 6; 0: none) GiB are written once and freed, while reporting
-is held back: the pages the bench then takes are backed.
+cluster bench's whole-file pass (disk cache on) ran at 350-555 MB/s in 4 of 6 runs (its
+writer and the FUSE thread copying into fresh page cache at ~0.3-0.4 GB/s; 1,489-1,554 in
+the other two) and at 1,404-1,545 MB/s in 3 of 3 runs after a prefault (docs/performance.md,
+twenty-third session). So before CMD runs, `--prefault-gib` (default 6; 0: none) GiB are
+written once and freed while reporting is held back: the pages the bench then takes within
+the hold are backed. (With a 60 s hold a `make bench-quick` still logged `[vm: 268 MiB
+reported to the host]` in a pass that ran about a minute after the prefault, at half its
+rate.)
 
 The old value is put back when CMD ends (also on Ctrl-C or a failure). Where the knob is absent
 (another kernel) or not writable (not root), CMD runs as it is, without a prefault; a line says
@@ -56,7 +59,7 @@ def touch(nbytes: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    hold = 60000
+    hold = 300000
     prefault = 6
     while len(args) > 1 and args[0] in ("--hold-ms", "--prefault-gib"):
         if args[0] == "--hold-ms":
