@@ -16,6 +16,9 @@ Starts a 2-node cluster (scripts/minicluster/) and runs one batch job on it:
    Each read also reports the machine's busy and idle CPU seconds, the CPU seconds of every
    thread on the reading node, and the status counters that moved on each rank; ``--perf DIR``
    adds a ``perf record -a -g`` of the machine per read (kept in DIR; the reports' first rows).
+   The reader runs with ``OPENBLAS_NUM_THREADS=1``: numpy's OpenBLAS otherwise starts a thread
+   at import that polls for work (``sched_yield``) for its first ~0.1 s, and the remote pass,
+   which starts right after the imports, shared the 2 cores with it (40-50 ms of its CPU).
 
 Prints one JSON object. The machine is shared: compare figures of one run, not across runs.
 """
@@ -46,8 +49,8 @@ MPIR_CVAR_CH4_NETMOD=ucx srun -N2 --ntasks-per-node=1 --mpi=pmi2 python bench/_m
 MNT=/tmp/fsbw-$SLURM_JOB_ID
 srun --ntasks-per-node=1 mkdir -p $MNT
 fanstore-fuse mount {dest} $MNT --local /tmp/fsbw-local-$SLURM_JOB_ID --replicas 1 || exit 1
-srun -N1 -w n1 python -m bench._cluster_bw read --rank 1 --mnt $MNT --dest {dest} {perf} \
-  > {out}/read.json
+OPENBLAS_NUM_THREADS=1 srun -N1 -w n1 python -m bench._cluster_bw read --rank 1 --mnt $MNT \
+  --dest {dest} {perf} > {out}/read.json
 srun --overlap --ntasks-per-node=1 fanstore-fuse umount $MNT
 """
 
