@@ -16,9 +16,9 @@ Starts a 2-node cluster (scripts/minicluster/) and runs one batch job on it:
    Each read also reports the machine's busy and idle CPU seconds, the CPU seconds of every
    thread on the reading node, and the status counters that moved on each rank; ``--perf DIR``
    adds a ``perf record -a -g`` of the machine per read (kept in DIR; the reports' first rows).
-   The reader runs with ``OPENBLAS_NUM_THREADS=1``: numpy's OpenBLAS otherwise starts a thread
-   at import that polls for work (``sched_yield``) for its first ~0.1 s, and the remote pass,
-   which starts right after the imports, shared the 2 cores with it (40-50 ms of its CPU).
+   The reader runs with ``OPENBLAS_NUM_THREADS=1``: without it the reading process had a second,
+   non-Python thread (numpy's OpenBLAS pool, started at import) that took 42-54 ms of CPU
+   during the remote pass, which starts right after the imports.
 
 Prints one JSON object. The machine is shared: compare figures of one run, not across runs.
 """
