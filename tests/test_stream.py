@@ -68,19 +68,25 @@ def _cold_pass(m, parts: list[Path], read, want, tries: int = 20, rank: int = 0)
     raise AssertionError(f"not reached in {tries} passes: {c}")
 
 
-def _wait_streamed(m, parts: list[Path], runs: int, rank: int = 0) -> dict[str, int]:
+def _wait_streamed(m, parts: list[Path], runs: int, rank: int = 0, base_bytes: int = 0) -> dict[str, int]:
     """Wait until `runs` streams have run and the copies are resident. Not every page: these
     VMs run a DAMON `pageout` scheme (/sys/kernel/mm/damon/admin/kdamonds/0, state "on") that
     reclaims pages nobody touched for a while, so 1.3% of the copy was seen gone again within
-    seconds of the stream; 2% of the pages may be missing."""
+    seconds of the stream; 2% of the pages may be missing. A clean-clone CI run (twenty-third
+    session, the full suite) saw 4.7% gone (2,867 of 3,007 pages resident for 30 s) after a
+    stream whose own count (`stream_bytes`, the pages it found missing and read in) was the
+    whole copy: so when the stream counted at least 98% of the copy this run (since
+    `base_bytes`), 90% resident is enough."""
     deadline = time.monotonic() + 30
     while True:
         c = _shim(m, rank)
         resident, total = files_pages(parts)
-        if c["stream_runs"] >= runs and resident >= total - total // 50:
+        streamed = (c["stream_bytes"] - base_bytes) // 4096
+        if c["stream_runs"] >= runs and (resident >= total - total // 50 or (
+                streamed >= total - total // 50 and resident >= total - total // 10)):
             return c
         assert time.monotonic() < deadline, (
-            {k: v for k, v in c.items() if k.startswith("stream")}, resident, total)
+            {k: v for k, v in c.items() if k.startswith("stream")}, resident, total, streamed)
         time.sleep(0.1)
 
 
@@ -96,10 +102,11 @@ def test_cold_reads_stream_the_local_copy_into_the_page_cache(tmp_path, state_di
         for k in (1, 2):
             time.sleep(0.3)  # past the gap a stream keeps after the last one (250 ms)
             base = _shim(m)["stream_cold"]
+            base_bytes = _shim(m)["stream_bytes"]
             # 16 cold reads since the pass began start a stream: no more evictions after that
             _cold_pass(m, parts, functools.partial(_read_all, m.path, files, seed=k),
                        lambda c, base=base: c["stream_cold"] - base >= 16)
-            c = _wait_streamed(m, parts, runs=k)
+            c = _wait_streamed(m, parts, runs=k, base_bytes=base_bytes)
             assert c["stream_runs"] == k and c["stream_refused"] == 0, c
             assert c["stream_windows"] >= k and c["stream_bytes"] > 0, c
             assert c["c_read_fallbacks"] == 0, c
