@@ -52,9 +52,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench scripts
 	$(VENV)/bin/mypy
 
-# Benches run with this VM's free page reporting held back (bench/calm.py: a VM step that makes
-# runs of every system sporadically 3-4x slower; a no-op elsewhere). `make bench-quick CALM=`
-# runs them without.
+# Benches run with this VM's free page reporting held back, after 6 GiB of memory are written
+# once so that the host backs them (bench/calm.py: VM steps that make runs of every system
+# sporadically 3-4x slower; a no-op elsewhere). `make bench-quick CALM=` runs them without.
 CALM ?= $(PY) -m bench.calm
 bench: $(STAMP)
 	$(CALM) $(PY) -m bench.run --full
