@@ -23,12 +23,13 @@ from fanstore_fuse._diskcache import (
     DATA_START,
     ENTRY_HEADER,
     DiskCache,
+    manifest_raw_digest,
     read_segment_header,
     resolve_limit,
     segment_header,
 )
 from fanstore_fuse._errors import FanstoreError
-from fanstore_fuse._format import MANIFEST_NAME
+from fanstore_fuse._format import CODEC_FRAMED, CODEC_RAW, CODEC_ZSTD, MANIFEST_NAME, checksum
 from fanstore_fuse._manifest import read_manifest
 from fanstore_fuse._node import LocalBlobSource, Stats
 from fanstore_fuse._settings import Settings, parse_cache_size, parse_size
@@ -225,6 +226,43 @@ def test_caching_source_serves_hits_and_refetches_bad_entries(small_dest, tmp_pa
         assert trio.run(pass_) == want
     finally:
         cache.close()
+        store.close()
+
+
+def test_entries_take_the_manifests_digest_except_for_framed_blobs(tmp_path):
+    """The writer stores the manifest's xxh3 where it is the raw bytes' (raw, zstd: no second
+    hash of every remote blob) and hashes framed blobs itself; either way every entry reads
+    back byte for byte, and an entry whose stored digest does not match is never returned."""
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = random.Random(11)
+    (src / "raw").write_bytes(rng.randbytes(30000))  # incompressible: codec raw
+    (src / "zeros").write_bytes(bytes(50000))  # codec zstd
+    (src / "big").write_bytes(rng.randbytes(600 << 10))  # over 2 frames: codec framed
+    prep(src, tmp_path / "dest", PrepOptions(partitions=1, codec="zstd", workers=1))
+    m = read_manifest(tmp_path / "dest" / MANIFEST_NAME)
+    store = BlobStore(m, str(tmp_path / "dest"))
+    n = m.n_blobs
+    codecs = [int(c) for c in m.blobs["codec"]]
+    assert {CODEC_RAW, CODEC_ZSTD, CODEC_FRAMED} <= set(codecs), codecs
+    digest = manifest_raw_digest(m.blobs)
+    raws = [store.raw(b) for b in range(n)]
+    for b in range(n):
+        assert digest(b) == (None if codecs[b] == CODEC_FRAMED else checksum(raws[b])), b
+    cache = DiskCache(str(tmp_path / "c"), 10 << 20, m.blobs["raw"], raw_digest=digest)
+    wrong = DiskCache(str(tmp_path / "w"), 10 << 20, m.blobs["raw"], raw_digest=lambda b: 12345)
+    try:
+        for b in range(n):
+            cache.put(b, raws[b])
+            wrong.put(b, raws[b])
+        assert cache.flush() and wrong.flush()
+        assert [cache.read(b) == raws[b] for b in range(n)] == [True] * n
+        assert cache.status()["corrupt"] == 0
+        assert [wrong.read(b) for b in range(n)] == [None] * n  # digest 12345 matches nothing
+        assert wrong.status()["corrupt"] == n
+    finally:
+        cache.close()
+        wrong.close()
         store.close()
 
 

@@ -26,7 +26,7 @@ from . import _stageout_all as stageout_all
 from ._blobstore import BlobStore
 from ._cluster import ClusterBlobSource, ClusterMetadata, StatusBoard, serve_handlers
 from ._cremote import CRemoteSource
-from ._diskcache import BLOCKED, CACHE_DIR, DiskCache, resolve_limit
+from ._diskcache import BLOCKED, CACHE_DIR, DiskCache, manifest_raw_digest, resolve_limit
 from ._format import Manifest
 from ._fsio import untouched_zeros
 from ._messages import HandlerTable
@@ -117,7 +117,7 @@ def open_disk_cache(manifest: Manifest, local_dir: str, settings: Settings) -> D
         return None
     b = manifest.blobs
     log.info("disk cache of remote blobs: %s, up to %d bytes", directory, limit)
-    cache = DiskCache(directory, limit, b["raw"])
+    cache = DiskCache(directory, limit, b["raw"], raw_digest=manifest_raw_digest(b))
     if settings.cache_c:  # the shim's READ path reads cached blobs itself (FANSTORE_CACHE_C)
         cache.serve_in_c()
     return cache

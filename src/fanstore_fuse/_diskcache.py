@@ -6,9 +6,10 @@ header (magic `FSCACHE\\0`, version, segment number) followed by entries back to
 the xxh3 of the blob's raw (decoded) bytes (8 bytes, little-endian) and then those bytes. The
 index is memory only: one `uint64` per dataset blob (`segment << 40 | offset`, 0 = absent; a
 zero-filled numpy array, so untouched pages cost nothing) plus one small object per segment. A
-blob's length is the manifest's `raw`; its checksum is computed by the writer thread from the
-verified bytes the holder sent and stored with the entry (the manifest's `xxh3` of a framed
-blob covers its frame table, not the raw bytes, so it cannot serve here). The cache lives as
+blob's length is the manifest's `raw`; its checksum, stored with the entry, is the manifest's
+`xxh3` where that covers the raw bytes (codecs raw, zstd and zstd with a dictionary: `raw_digest`)
+and else computed by the writer thread from the verified bytes the holder sent (the manifest's
+`xxh3` of a framed blob covers its frame table, not the raw bytes). The cache lives as
 long as its daemon; `umount` removes it with the local dir.
 
 - **Reads** verify every time (length + the entry's xxh3 of the raw bytes): a mismatch
@@ -41,14 +42,14 @@ import os
 import queue
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import numpy as np
 
 from . import _fastclose
 from ._errors import FanstoreError
-from ._format import checksum
+from ._format import CODEC_FRAMED, checksum
 from ._fsio import CachedReads, untouched_zeros
 from ._safepath import open_private
 from ._settings import parse_cache_size
@@ -139,19 +140,33 @@ class _Segment:
         self.doomed = False
 
 
+def manifest_raw_digest(blobs: Any) -> Callable[[int], int | None]:
+    """`DiskCache`'s `raw_digest` from a manifest's blob columns: the blob's `xxh3` where it is
+    the xxh3 of the raw bytes (every codec but framed, docs/format.md), else None."""
+    codecs, digests = blobs["codec"], blobs["xxh3"]
+
+    def raw_digest(blob: int) -> int | None:
+        return None if codecs[blob] == CODEC_FRAMED else int(digests[blob])
+
+    return raw_digest
+
+
 class DiskCache:
     """Verified raw blob bytes on local disk, bounded by `limit` bytes (module docstring).
 
-    `sizes[b]` is the manifest's raw length of blob `b`."""
+    `sizes[b]` is the manifest's raw length of blob `b`; `raw_digest(b)`, where given, the xxh3
+    of its raw bytes if the manifest has it (None: the writer computes it)."""
 
     def __init__(
         self, directory: str, limit: int, sizes: Sequence[int],
         segment_bytes: int | None = None, queue_bytes: int = QUEUE_BYTES,
+        raw_digest: Callable[[int], int | None] | None = None,
     ):
         self.dir = directory
         self.limit = limit
         self.segment_bytes = segment_bytes or segment_bytes_for(limit)
         self._sizes = sizes
+        self._raw_digest = raw_digest
         self._loc = untouched_zeros(len(sizes), np.uint64)  # pages cost only once written
         self._segs: dict[int, _Segment] = {}  # live segments, oldest first (insertion order)
         self._next = 1
@@ -360,8 +375,9 @@ class DiskCache:
     def _append(self, seg: _Segment, items: list[tuple[int, bytes]]) -> bool:
         size = sum(ENTRY_HEADER + len(d) for _, d in items)
         iov: list[bytes] = []
-        for _, d in items:
-            iov += (_DIGEST.pack(checksum(d)), d)
+        for blob, d in items:
+            known = self._raw_digest(blob) if self._raw_digest is not None else None
+            iov += (_DIGEST.pack(checksum(d) if known is None else known), d)
         try:
             got = os.pwritev(seg.fd, iov, seg.size)
             if got != size:
