@@ -36,6 +36,7 @@ from ._workload import read_rate
 from .cost import cpu_since, cpu_snapshot, prep_tree
 
 SERVER_C = REPO / "bench" / "fuse_transport_server.c"
+ABI_DIR = REPO / "src" / "fanstore_fuse"  # _fuse_uring_abi.h
 ENABLE_URING = Path("/sys/module/fuse/parameters/enable_uring")
 CASES = sf.CASES
 
@@ -43,13 +44,14 @@ CASES = sf.CASES
 def build(out: Path) -> Path:
     """Compile the server into `out` when it is missing or older than its source."""
     exe = out / "fuse_transport_server"
-    if exe.exists() and exe.stat().st_mtime >= SERVER_C.stat().st_mtime:
+    newest = max(SERVER_C.stat().st_mtime, (ABI_DIR / "_fuse_uring_abi.h").stat().st_mtime)
+    if exe.exists() and exe.stat().st_mtime >= newest:
         return exe
     if not Path("/usr/include/liburing.h").exists():
         raise SystemExit("liburing headers missing: apt-get install liburing-dev")
     out.mkdir(parents=True, exist_ok=True)
-    subprocess.run([shutil.which("cc") or "cc", "-O2", "-Wall", "-o", str(exe), str(SERVER_C),
-                    "-luring", "-lpthread"], check=True)
+    subprocess.run([shutil.which("cc") or "cc", "-O2", "-Wall", "-I", str(ABI_DIR), "-o", str(exe),
+                    str(SERVER_C), "-luring", "-lpthread"], check=True)
     return exe
 
 

@@ -31,25 +31,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-/* The FUSE-over-io_uring ABI (Linux 6.14+, kernel minor 42), not in these system headers. */
-#define OVER_IO_URING_FLAG2 (1u << 9) /* FUSE_OVER_IO_URING (bit 41 of the 64-bit flags) */
-#define URING_CMD_REGISTER 1
-#define URING_CMD_COMMIT_AND_FETCH 2
-struct ring_ent_in_out {
-    uint64_t flags, commit_id;
-    uint32_t payload_sz, padding;
-    uint64_t reserved;
-};
-struct ring_req_header {
-    char in_out[128]; /* fuse_in_header in, fuse_out_header out */
-    char op_in[128];  /* the op's own argument struct */
-    struct ring_ent_in_out ent;
-};
-struct ring_cmd_req {
-    uint64_t flags, commit_id;
-    uint16_t qid;
-    uint8_t padding[6];
-};
+#include "_fuse_uring_abi.h" /* src/fanstore_fuse/: the ABI, shared with the shim */
 
 #define MAX_PAYLOAD (1u << 20)
 #define BUF_SIZE (MAX_PAYLOAD + 8192)
@@ -234,7 +216,7 @@ static void *dev_loop(void *arg) {
 }
 
 struct entry {
-    struct ring_req_header *hdr;
+    struct fuse_uring_header *hdr;
     char *payload;
     struct iovec iov[2];
 };
@@ -250,13 +232,13 @@ static void prep(struct io_uring *ring, struct entry *e, int qid, uint32_t cmd, 
     sqe->flags = IOSQE_FIXED_FILE;
     sqe->fd = 0;
     sqe->cmd_op = cmd;
-    if (cmd == URING_CMD_REGISTER) {
+    if (cmd == FUSE_URING_CMD_REGISTER) {
         sqe->addr = (uint64_t)(uintptr_t)e->iov;
         sqe->len = 2;
     }
     io_uring_sqe_set_data(sqe, e);
     /* the command area: 80 bytes from sqe->cmd (an SQE128 ring) */
-    struct ring_cmd_req req = {.qid = (uint16_t)qid, .commit_id = commit};
+    struct fuse_uring_cmd req = {.qid = (uint16_t)qid, .commit_id = commit};
     char area[80] = {0};
     memcpy(area, &req, sizeof(req));
     memcpy((char *)(uintptr_t)sqe + offsetof(struct io_uring_sqe, cmd), area, sizeof(area));
@@ -282,9 +264,9 @@ static void *uring_loop(void *arg) {
         ents[i].hdr = aligned_alloc(4096, 4096);
         ents[i].payload = aligned_alloc(4096, BUF_SIZE);
         memset(ents[i].hdr, 0, 4096);
-        ents[i].iov[0] = (struct iovec){ents[i].hdr, sizeof(struct ring_req_header)};
+        ents[i].iov[0] = (struct iovec){ents[i].hdr, sizeof(struct fuse_uring_header)};
         ents[i].iov[1] = (struct iovec){ents[i].payload, BUF_SIZE};
-        prep(&ring, &ents[i], qid, URING_CMD_REGISTER, 0);
+        prep(&ring, &ents[i], qid, FUSE_URING_CMD_REGISTER, 0);
     }
     for (;;) {
         rc = io_uring_submit_and_wait(&ring, 1);
@@ -313,7 +295,7 @@ static void *uring_loop(void *arg) {
                                         in.unique};
             memcpy(e->hdr->in_out, &h, sizeof(h));
             e->hdr->ent.payload_sz = res > 0 ? (uint32_t)res : 0;
-            prep(&ring, e, qid, URING_CMD_COMMIT_AND_FETCH, commit);
+            prep(&ring, e, qid, FUSE_URING_CMD_COMMIT_AND_FETCH, commit);
         }
         io_uring_cq_advance(&ring, seen);
     }
@@ -357,12 +339,12 @@ int main(int argc, char **argv) {
                                .max_background = 12, .congestion_threshold = 9,
                                .max_write = MAX_PAYLOAD, .time_gran = 1, .max_pages = 256};
     if (uring) {
-        if (!(ii->flags2 & OVER_IO_URING_FLAG2)) {
+        if (!(ii->flags2 & FUSE_URING_OVER_IO_URING_FLAG2)) {
             fprintf(stderr, "the kernel does not offer FUSE over io_uring "
                             "(/sys/module/fuse/parameters/enable_uring)\n");
             return 3;
         }
-        io.flags2 = OVER_IO_URING_FLAG2;
+        io.flags2 = FUSE_URING_OVER_IO_URING_FLAG2;
     }
     reply_dev(in->unique, sizeof(io), (char *)&io);
     fprintf(stderr, "fuse_transport_server: %s, %zu nodes, kernel 7.%u\n", argv[1], nnodes, ii->minor);

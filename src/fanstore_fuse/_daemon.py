@@ -38,7 +38,7 @@ from ._mountctl import (
     remove_local_dir,
     state_dir,
 )
-from ._readahead import hold_readahead, set_readahead
+from ._readahead import enable_fuse_uring, hold_readahead, set_readahead
 from ._settings import Settings
 from ._startup import Exchange, MappedPages, PeerFailed, Phases, Staged, stage
 from ._transport import Transport, mpich_shm_defaults, unlink_shared_segments
@@ -183,6 +183,8 @@ def _mount(cfg: MountConfig, m: _Mounted, view: MountView, settings: Settings) -
                                                        settings.fuse_linger_us,
                                                        settings.fuse_trio_total_us,
                                                        settings.fuse_threads)
+    if settings.fuse_uring and fast_open and settings.fuse_threads > 0:
+        enable_fuse_uring()  # the shim (FANSTORE_FUSE_URING in its environment) asks at INIT
     if settings.fast_read and m.store is not None:  # READs held here in C (Operations.init starts)
         fastread.enable(view.node.ns, m.store, settings.fast_read_threads, settings.fast_read_inline,
                         settings.cache_bytes if settings.frame_cache_c else 0,

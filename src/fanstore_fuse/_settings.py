@@ -16,6 +16,7 @@
 | `FANSTORE_FUSE_LINGER_US` | 200 | after a request answered in C, wait for the next (us; 0: back to trio) |
 | `FANSTORE_FUSE_TRIO_TOTAL_US` | 5000 | while trio idles, answer in C at most this long before it runs (us) |
 | `FANSTORE_FUSE_THREADS` | 1 | C threads reading /dev/fuse for the shim (0: pyfuse3 reads it) |
+| `FANSTORE_FUSE_URING` | 0 | 1: FUSE requests over io_uring where the kernel has it (Linux 6.14+) |
 | `FANSTORE_MPI_REPLY_POLL` | 2e-05 | first poll interval (s) while replies are due (0: idle backoff) |
 | `FANSTORE_MPI_BACKOFF` | 2.0 | growth of the MPI thread's poll interval while nothing arrives (1: fixed) |
 | `FANSTORE_MPI_DOORBELL` | 1 | a UDP doorbell rung with each frame sent wakes the peer (0: poll only) |
@@ -52,6 +53,7 @@ _ENV = {
     "fuse_linger_us": "FANSTORE_FUSE_LINGER_US",
     "fuse_trio_total_us": "FANSTORE_FUSE_TRIO_TOTAL_US",
     "fuse_threads": "FANSTORE_FUSE_THREADS",
+    "fuse_uring": "FANSTORE_FUSE_URING",
     "fast_read": "FANSTORE_FASTREAD",
     "fast_read_threads": "FANSTORE_FASTREAD_THREADS",
     "fast_read_inline": "FANSTORE_FASTREAD_INLINE",
@@ -109,6 +111,7 @@ class Settings:
     fuse_linger_us: int = 200
     fuse_trio_total_us: int = 5000
     fuse_threads: int = 1
+    fuse_uring: int = 0
     fast_read: int = 1
     fast_read_threads: int = 16
     fast_read_inline: int = 128 << 10

@@ -53,6 +53,23 @@ int fanstore_threads_direct_ok(void);
  * how many were started now; fanstore_threads_spares: how many in all. */
 int fanstore_threads_unstick(void);
 unsigned long long fanstore_threads_spares(void);
+/* For _shim_uring.c's ring threads: a request laid out as /dev/fuse gives it (`*mem`, `len`
+ * bytes; the buffer may be swapped for a new one), answered in C or queued for trio; the calling
+ * thread made a C thread (no direct MPI sends); a thread started with its signals blocked and
+ * named `name`N (0, or an errno). */
+void fanstore_threads_dispatch(char **mem, size_t len);
+void fanstore_threads_ring_thread(void);
+int fanstore_threads_spawn(pthread_t *tid, void *(*fn)(void *), void *arg, const char *name, int n);
+
+/* _shim_uring.c: FUSE over io_uring (FANSTORE_FUSE_URING=1). The custom io's writev and read
+ * (every libfuse reply leaves through the writev), the INIT request seen, start and stop. */
+int fanstore_uring_wanted(void);
+ssize_t fanstore_uring_writev(int fd, struct iovec *iov, int count, void *userdata);
+ssize_t fanstore_uring_read(int fd, void *buf, size_t len, void *userdata);
+void fanstore_uring_saw_init(const char *mem, size_t n);
+void fanstore_uring_setup(int fd, size_t bufsize);
+void fanstore_uring_stop(void);
+int fanstore_uring_waiting(void); /* a ring holds a request its thread has not taken yet */
 
 #ifdef Py_PYTHON_H /* the module's functions defined next to their patch */
 /* Reply to `req` with what a Python fallback returned (bytes, or a positive errno; EIO for
@@ -71,6 +88,7 @@ PyObject *fanstore_py_direct_counts(PyObject *self, PyObject *unused); /* _shim_
 PyObject *fanstore_py_fuse_threads(PyObject *self, PyObject *args);        /* _shim_threads.c */
 PyObject *fanstore_py_fuse_thread_counts(PyObject *self, PyObject *unused);
 PyObject *fanstore_py_fuse_queued(PyObject *self, PyObject *unused);
+PyObject *fanstore_py_fuse_uring_counts(PyObject *self, PyObject *unused); /* _shim_uring.c */
 #endif
 
 #endif

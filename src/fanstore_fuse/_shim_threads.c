@@ -274,31 +274,48 @@ static void *thread_main(void *arg) {
             end_session(n < 0 && errno == ENODEV ? 0 : -(n < 0 ? errno : EIO));
             break;
         }
-        struct fuse_buf fb = {.size = (size_t)n, .mem = mem};
-        if (fanstore_answered(&fb, (int)n, 0)) {
-            real_process(tse, &fb);
-            __atomic_add_fetch(&answered, 1, __ATOMIC_RELAXED);
-        } else {
-            push(&mem, (size_t)n);
-            fanstore_reply_later = 1;
-        }
+        uint32_t opcode;
+        memcpy(&opcode, mem + 4, sizeof(opcode)); /* fuse_in_header: len, opcode, ... */
+        if (opcode == 26) /* FUSE_INIT: does the kernel offer FUSE over io_uring? */
+            fanstore_uring_saw_init(mem, (size_t)n);
+        fanstore_threads_dispatch(&mem, (size_t)n);
     }
     pthread_cleanup_pop(1);
     return NULL;
 }
 
-static int spawn(int k) { /* thread k started (under tlock) */
+void fanstore_threads_dispatch(char **mem, size_t len) {
+    struct fuse_buf fb = {.size = len, .mem = *mem};
+    if (fanstore_answered(&fb, (int)len, 0)) {
+        real_process(tse, &fb);
+        __atomic_add_fetch(&answered, 1, __ATOMIC_RELAXED);
+    } else {
+        push(mem, len);
+        fanstore_reply_later = 1;
+    }
+}
+
+void fanstore_threads_ring_thread(void) {
+    fanstore_c_thread = 1;
+    my_index = -1; /* no direct MPI sends: nobody would read its queue's requests meanwhile */
+}
+
+int fanstore_threads_spawn(pthread_t *tid, void *(*fn)(void *), void *arg, const char *name, int n) {
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, &old); /* signals stay with the Python threads */
-    int made = pthread_create(&tids[k], NULL, thread_main, (void *)(intptr_t)k) == 0;
+    int r = pthread_create(tid, NULL, fn, arg);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
-    if (made) {
-        char name[16];
-        snprintf(name, sizeof(name), "fanstore-fuse%d", k);
-        pthread_setname_np(tids[k], name);
+    if (r == 0) {
+        char label[16];
+        snprintf(label, sizeof(label), "%s%d", name, n);
+        pthread_setname_np(*tid, label);
     }
-    return made;
+    return r;
+}
+
+static int spawn(int k) { /* thread k started (under tlock) */
+    return fanstore_threads_spawn(&tids[k], thread_main, (void *)(intptr_t)k, "fanstore-fuse", k) == 0;
 }
 
 static int start(struct fuse_session *se, int fd) {
@@ -315,6 +332,18 @@ static int start(struct fuse_session *se, int fd) {
     batch = b == NULL || strcmp(b, "0") != 0;
     const char *sp = getenv("FANSTORE_FUSE_SPIN_US");
     spin_ns = (sp != NULL ? atoll(sp) : SPIN_US_DEFAULT) * 1000LL;
+    if (fanstore_uring_wanted()) {
+        /* every libfuse reply through _shim_uring.c's writev (rings or /dev/fuse); the requests
+         * the rings take do not come here, so these threads see few and need no poll */
+        typedef int (*custom_io_t)(struct fuse_session *, const struct fuse_custom_io *, int);
+        custom_io_t set_io = (custom_io_t)fanstore_libfuse_symbol("fuse_session_custom_io");
+        static const struct fuse_custom_io io = {.writev = fanstore_uring_writev,
+                                                 .read = fanstore_uring_read};
+        if (set_io != NULL && set_io(se, &io, fd) == 0) {
+            fanstore_uring_setup(fd, bufsize);
+            spin_ns = 0;
+        }
+    }
     ncpus = (int)sysconf(_SC_NPROCESSORS_ONLN);
     if (spin_ns > 0 && loadavg_fd < 0)
         loadavg_fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
@@ -340,6 +369,7 @@ static void stop(void) {
     int n = running;
     stopping = 1;
     pthread_mutex_unlock(&tlock);
+    fanstore_uring_stop(); /* no-op when no ring runs */
     if (n == 0)
         return;
     for (int k = 0; k < n; k++)
@@ -414,6 +444,8 @@ int fanstore_threads_queued(void) {
 int fanstore_threads_dev_waiting(void) {
     int fd = __atomic_load_n(&dev_fd, __ATOMIC_RELAXED);
     struct pollfd p = {.fd = fd, .events = POLLIN};
+    if (running > 0 && fanstore_uring_waiting())
+        return 1; /* a request taken from a ring, not yet answered or handed on */
     return running > 0 && fd >= 0 && poll(&p, 1, 0) > 0 && (p.revents & POLLIN);
 }
 

@@ -1,0 +1,122 @@
+"""FUSE over io_uring (`FANSTORE_FUSE_URING=1`, `_shim_uring.c`) on real mounts: the dataset
+read byte for byte by concurrent readers while a writer creates, renames and removes files;
+every request processed exactly once (libfuse's debug log) and taken from the rings; one ring
+thread per CPU, pinned, SCHED_IDLE; remote blobs of a 2-rank mount; the daemon ending on an
+external unmount. Needs Linux 6.14+ (the fuse module's `enable_uring`); the daemon turns that
+on as root."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import pytest
+from _harness import mounted, prep_cli, status_ranks
+from test_fusethreads import (
+    _read_and_write,
+    _running,
+    _thread_policies,
+    _tree,
+    _uniques,
+    unmount_externally,
+)
+
+from fanstore_fuse._readahead import ENABLE_URING, enable_fuse_uring
+
+pytestmark = [
+    pytest.mark.mount,
+    pytest.mark.skipif(not os.path.exists(ENABLE_URING),
+                       reason="this kernel has no FUSE over io_uring (Linux < 6.14)"),
+]
+URING = {"FANSTORE_FUSE_URING": "1"}
+
+
+def _shim(m, rank: int = 0) -> dict[str, int]:
+    return status_ranks(m.status())[rank]["fuse_shim"]
+
+
+@contextlib.contextmanager
+def _mount(tmp_path: Path, state_dir, debug: bool = False, ranks: int | None = None):
+    src = tmp_path / "src"
+    files = _tree(src)
+    dest = prep_cli(src, tmp_path / "dest", *(["-p", "4"] if ranks else []))
+    mnt = tmp_path / ("mnt{rank}" if ranks else "mnt")
+    with mounted(dest, mnt, state_dir, local=tmp_path / ("local{rank}" if ranks else "local"),
+                 ranks=ranks, extra_args=["--debug"] if debug else [], env=URING) as m:
+        yield m, files
+
+
+def _affinity(pid: int, prefix: str) -> list[set[int]]:
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/task/{tid}/comm").read_text().startswith(prefix):
+                out.append(os.sched_getaffinity(int(tid)))
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_ring_threads_take_the_requests_while_files_are_written(tmp_path, state_dir):
+    with _mount(tmp_path, state_dir, debug=True) as (m, files):
+        _read_and_write(m, files, 4, 3, 60)
+        c = _shim(m)
+        cpus = os.sysconf("SC_NPROCESSORS_CONF")
+        assert c["c_uring_queues"] == cpus, c
+        assert c["c_uring_errors"] == 0, c
+        # the readers' opens and releases came by the rings, and were answered in C
+        assert c["c_uring_requests"] >= 4 * 3 * len(files), c
+        assert c["c_opens"] >= 4 * 3 * len(files), c
+        assert c["c_thread_handed"] >= 60, c  # the writer's requests went to Python
+        log = m.log_text()
+        seen = _uniques(log)
+        twice = [u for u, k in seen.items() if k > 1]
+        assert twice == [], f"requests processed more than once: {twice[:10]}"
+        assert len(seen) >= c["c_uring_requests"], (len(seen), c)
+        assert "Traceback" not in log
+        st = m.state()
+        assert st is not None and st.pids
+        pid = st.pids[0]
+        assert sorted(_thread_policies(pid, "fanstore-ring")) == [5] * cpus  # SCHED_IDLE
+        assert sorted(map(sorted, _affinity(pid, "fanstore-ring"))) == [[k] for k in range(cpus)]
+        m.umount()
+    assert m.forced == []
+    for pid in st.pids:
+        assert not _running(pid), f"daemon {pid} still running"
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_read_remote_blobs_through_the_rings(tmp_path, state_dir):
+    with _mount(tmp_path, state_dir, ranks=2) as (m, files):
+        root = Path(m.mountpoints[0])
+        for rel, body in sorted(files.items()):
+            with open(root / rel, "rb", buffering=0) as f:
+                assert f.read() == body, rel
+        ranks = status_ranks(m.status())
+        assert ranks[0]["stats"]["remote_reads"] > 0, ranks[0]["stats"]
+        for r in ranks:
+            assert r["fuse_shim"]["c_uring_errors"] == 0, r["fuse_shim"]
+        assert ranks[0]["fuse_shim"]["c_uring_requests"] >= len(files), ranks[0]["fuse_shim"]
+        assert "Traceback" not in m.log_text()
+        m.umount()
+    assert m.forced == []
+
+
+@pytest.mark.timeout(120)
+def test_external_unmount_ends_the_daemon_with_rings(tmp_path, state_dir):
+    with _mount(tmp_path, state_dir) as (m, files):
+        rel = sorted(files)[5]
+        assert (m.path / rel).read_bytes() == files[rel]
+        assert _shim(m)["c_uring_queues"] > 0
+        unmount_externally(m)
+
+
+def test_enable_fuse_uring_writes_the_module_parameter(tmp_path):
+    p = tmp_path / "enable_uring"
+    p.write_text("N\n")
+    assert enable_fuse_uring(str(p)) is True
+    assert p.read_text() == "1"
+    p.write_text("Y\n")
+    assert enable_fuse_uring(str(p)) is True  # already on: left as it is
+    assert p.read_text() == "Y\n"
+    assert enable_fuse_uring(str(tmp_path / "missing" / "enable_uring")) is False
