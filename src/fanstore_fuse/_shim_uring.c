@@ -38,7 +38,10 @@
  *   ring threads: 10-11k (python /tmp scratch of bench._workload.read_rate, 2,000 warm files,
  *   twenty-fourth session). Beside a CPU hog pinned to the reader's CPU it still served 20k
  *   files/s (18.5-19k as SCHED_OTHER, 6.4k over /dev/fuse): the idle class did not starve it
- *   there; a CPU loaded with several busy tasks was not measured.
+ *   there; a CPU loaded with several busy tasks was not measured. An idle-class thread that
+ *   must run to submit another thread's reply (a kick) is made SCHED_OTHER until it waits again
+ *   (FANSTORE_FUSE_URING_BOOST=0: not): cold 4 readers 8,232 against 7,771 files/s; with
+ *   SCHED_OTHER ring threads 10,614, which lose warm 1 reader instead (docs/performance.md).
  * - ring writes happen in order: an SQE is filled, then published (the tail moved) under the
  *   queue's lock; only the queue's own thread submits (with its next wait: one io_uring_enter
  *   per request answered there), other threads publish theirs and kick it (an eventfd polled
@@ -87,6 +90,7 @@ struct ent {
 
 struct queue {
     int qid, fd, evfd, kickfd;
+    int boosted;            /* SCHED_OTHER for a kick, until its thread waits again (atomic) */
     pthread_t tid;
     int up;
     pthread_mutex_t lock;   /* the submission side */
@@ -101,6 +105,7 @@ struct queue {
 
 static int wanted = -1;     /* FANSTORE_FUSE_URING, read once: 1 asks for it */
 static int idle_policy = 1; /* FANSTORE_FUSE_URING_IDLE: ring threads SCHED_IDLE (0: SCHED_OTHER) */
+static int boost = 1;       /* FANSTORE_FUSE_URING_BOOST: a kicked idle ring thread runs SCHED_OTHER */
 static int dev_fd = -1;
 static size_t payload_len;
 static uint64_t init_unique;
@@ -216,6 +221,10 @@ static int send_cmd(struct queue *q, struct ent *e, int cmd) {
         __atomic_add_fetch(&ring_errors, 1, __ATOMIC_RELAXED);
     else if (!pthread_equal(pthread_self(), q->tid)) {
         uint64_t one = 1;
+        if (idle_policy && boost && !__atomic_exchange_n(&q->boosted, 1, __ATOMIC_ACQ_REL)) {
+            struct sched_param sp = {0}; /* it must run to submit this reply: no waiting for */
+            (void)pthread_setschedparam(q->tid, SCHED_OTHER, &sp); /* an idle CPU */
+        }
         (void)!write(q->kickfd, &one, sizeof(one));
     }
     return r;
@@ -275,6 +284,10 @@ static void *ring_main(void *arg) {
          * exactly the SQEs not yet taken (the kernel waits only when it took all it was told:
          * one another thread took meanwhile makes this call return at once, and the next wait) */
         int ready = __atomic_load_n(q->cq_tail, __ATOMIC_ACQUIRE) != *q->cq_head;
+        if (!ready && __atomic_exchange_n(&q->boosted, 0, __ATOMIC_ACQ_REL)) {
+            struct sched_param sp = {0}; /* kicked and served: idle class again */
+            (void)pthread_setschedparam(pthread_self(), SCHED_IDLE, &sp);
+        }
         pthread_mutex_lock(&q->lock);
         unsigned pending = *q->sq_tail - __atomic_load_n(q->sq_head, __ATOMIC_ACQUIRE);
         pthread_mutex_unlock(&q->lock);
@@ -503,6 +516,8 @@ static void start_rings(void) {
 void fanstore_uring_setup(int fd, size_t bufsize) {
     const char *idle = getenv("FANSTORE_FUSE_URING_IDLE");
     idle_policy = idle == NULL || strcmp(idle, "0") != 0;
+    const char *b = getenv("FANSTORE_FUSE_URING_BOOST");
+    boost = b == NULL || strcmp(b, "0") != 0;
     dev_fd = fd;
     payload_len = bufsize;
     init_offered = 0;
