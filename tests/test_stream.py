@@ -45,14 +45,25 @@ def _shim(m, rank: int = 0) -> dict[str, int]:
     return status_ranks(m.status())[rank]["fuse_shim"]
 
 
+def _wait_stream_idle(m, rank: int = 0) -> None:
+    deadline = time.monotonic() + 60
+    while (c := _shim(m, rank)).get("stream_busy", 0):
+        assert time.monotonic() < deadline, c
+        time.sleep(0.05)
+
+
 def _cold_pass(m, parts: list[Path], read, want, tries: int = 20, rank: int = 0) -> dict[str, int]:
     """Evict the copies, then `read()`; again until `want(counters)` (at most `tries` passes).
     A read counts as cold when a nowait read would wait (`stream_cold`). On these VMs one pass
     over 60 evicted files saw only 0-10 of them cold, all 60 READs answered inline, and the
     nowait reads stayed on (fourteenth session; a CI machine before it). Likely the read-ahead
     such a read starts completes before it returns (the host's cache serves the disk); not
-    proven. So the passes repeat."""
+    proven. So the passes repeat. Each eviction waits for the stream an earlier pass started to
+    end (`stream_busy`): under a full suite a stream outlived the 2 s wait below, and the next
+    pass evicted segments it had already read before it counted them (a CI run saw 82% of the
+    segments resident, twenty-fourth session)."""
     for _ in range(tries):
+        _wait_stream_idle(m, rank)
         drop_page_cache(parts)
         assert files_pages(parts)[0] == 0
         os.system("echo 1 > /proc/sys/vm/drop_caches")  # the mount's own cached pages too

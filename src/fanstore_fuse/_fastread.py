@@ -130,7 +130,7 @@ FRAME_COUNTS = ("c_frame_hits", "c_frame_misses", "c_frame_evictions", "c_frame_
                 "c_frame_push_fails", "c_frame_push_drops")
 
 STREAM_COUNTS = ("stream_runs", "stream_refused", "stream_windows", "stream_bytes", "stream_ns",
-                 "stream_cold", "stream_cache_segments", "stream_cache_skipped")
+                 "stream_cold", "stream_cache_segments", "stream_cache_skipped", "stream_busy")
 
 
 def counts() -> dict[str, int]:
@@ -142,7 +142,8 @@ def counts() -> dict[str, int]:
     cache (_shim_stream.c): `stream_runs`, `stream_refused` (too large for MemAvailable),
     `stream_windows` and `stream_bytes` read in, `stream_ns` spent streaming, `stream_cold`
     (blobs reads found cold: 16 since the last stream start one), `stream_cache_segments` /
-    `stream_cache_skipped` (disk-cache segments streamed / left out: over the budget);
+    `stream_cache_skipped` (disk-cache segments streamed / left out: over the budget),
+    `stream_busy` (1 while a stream is asked for or running);
     `c_mapread_reads` / `c_mapread_bytes`: large READs of raw frames answered from a mapping of
     the local copy (_shim_mapread.c); `c_direct_reads` / `c_direct_bytes`: cold small blobs read
     with O_DIRECT, `c_direct_gated`: nowait reads of them refused by the residency check

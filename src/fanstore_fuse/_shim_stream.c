@@ -277,12 +277,15 @@ void fanstore_stream_allow(void) {
 PyObject *fanstore_py_stream_counts(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
-    return Py_BuildValue("(KKKKKKKK)", __atomic_load_n(&runs, __ATOMIC_RELAXED),
+    pthread_mutex_lock(&lock);
+    unsigned long long in_flight = (unsigned long long)(pending || busy);
+    pthread_mutex_unlock(&lock);
+    return Py_BuildValue("(KKKKKKKKK)", __atomic_load_n(&runs, __ATOMIC_RELAXED),
                          __atomic_load_n(&refused, __ATOMIC_RELAXED),
                          __atomic_load_n(&windows, __ATOMIC_RELAXED),
                          __atomic_load_n(&bytes_read, __ATOMIC_RELAXED),
                          __atomic_load_n(&stream_ns, __ATOMIC_RELAXED),
                          __atomic_load_n(&cold_total, __ATOMIC_RELAXED),
                          __atomic_load_n(&cache_segments, __ATOMIC_RELAXED),
-                         __atomic_load_n(&cache_skipped, __ATOMIC_RELAXED));
+                         __atomic_load_n(&cache_skipped, __ATOMIC_RELAXED), in_flight);
 }
