@@ -29,7 +29,7 @@
  *   wakes each ring thread through an eventfd it polls in its ring, joins it, closes the ring.
  *   A ring that the kernel ends (unmount: -ENOTCONN) ends its thread too.
  * - scheduling: each ring thread is pinned to its CPU and runs SCHED_IDLE
- *   (FANSTORE_FUSE_URING_IDLE=0: SCHED_OTHER). A reader's RELEASE is sent in the background and
+ *   (FANSTORE_FUSE_URING_IDLE=0: SCHED_OTHER; but see the end of this item). A reader's RELEASE is sent in the background and
  *   wakes its CPU's ring thread while the reader runs on; with two runnable tasks on that CPU
  *   the other, idle CPU pulled the reader over, and its next requests went to the other queue,
  *   each move a wake-up of a halted vCPU: one warm reader got 11-14k files/s at 17 us of ring
@@ -42,6 +42,11 @@
  *   must run to submit another thread's reply (a kick) is made SCHED_OTHER until it waits again
  *   (FANSTORE_FUSE_URING_BOOST=0: not): cold 4 readers 8,232 against 7,771 files/s; with
  *   SCHED_OTHER ring threads 10,614, which lose warm 1 reader instead (docs/performance.md).
+ *   So by default (FANSTORE_FUSE_URING_IDLE unset or "auto"; "1": always the idle class) a
+ *   ring thread that takes a request while another of its queue is still held (readers
+ *   overlap: one reader never does) runs SCHED_OTHER until CONTENDED_NS pass without another
+ *   overlap: it then waits with that timeout and goes back to the idle class
+ *   (status c_uring_contended counts the switches).
  * - ring writes happen in order: an SQE is filled, then published (the tail moved) under the
  *   queue's lock; only the queue's own thread submits (with its next wait: one io_uring_enter
  *   per request answered there), other threads publish theirs and kick it (an eventfd polled
@@ -91,6 +96,9 @@ struct ent {
 struct queue {
     int qid, fd, evfd, kickfd;
     int boosted;            /* SCHED_OTHER for a kick, until its thread waits again (atomic) */
+    int held;               /* entries holding a request not yet answered (atomic) */
+    int other;              /* its thread runs SCHED_OTHER now (its thread only) */
+    int64_t contended_at;   /* when a request last came while another was held (its thread) */
     pthread_t tid;
     int up;
     pthread_mutex_t lock;   /* the submission side */
@@ -104,7 +112,13 @@ struct queue {
 };
 
 static int wanted = -1;     /* FANSTORE_FUSE_URING, read once: 1 asks for it */
-static int idle_policy = 1; /* FANSTORE_FUSE_URING_IDLE: ring threads SCHED_IDLE (0: SCHED_OTHER) */
+/* FANSTORE_FUSE_URING_IDLE: ring threads SCHED_OTHER (0), SCHED_IDLE (1), or SCHED_IDLE until
+ * requests overlap, then SCHED_OTHER for CONTENDED_NS after the last overlap (auto, the default) */
+#define POLICY_OTHER 0
+#define POLICY_IDLE 1
+#define POLICY_AUTO 2
+#define CONTENDED_NS 20000000LL
+static int idle_policy = POLICY_AUTO;
 static int boost = 1;       /* FANSTORE_FUSE_URING_BOOST: a kicked idle ring thread runs SCHED_OTHER */
 static int dev_fd = -1;
 static size_t payload_len;
@@ -113,7 +127,20 @@ static int init_offered;    /* the INIT request offered FUSE_OVER_IO_URING */
 static int nq;
 static struct queue *queues[MAX_QUEUES];
 static int live;            /* rings started (atomic) */
-static unsigned long long by_ring, commits_elsewhere, ring_errors;
+static unsigned long long by_ring, commits_elsewhere, ring_errors, contended_switches;
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* The ring thread's own class (from the thread itself). */
+static void set_other(struct queue *q, int other) {
+    struct sched_param sp = {0};
+    (void)pthread_setschedparam(pthread_self(), other ? SCHED_OTHER : SCHED_IDLE, &sp);
+    q->other = other;
+}
 
 int fanstore_uring_wanted(void) {
     if (wanted < 0) {
@@ -221,7 +248,8 @@ static int send_cmd(struct queue *q, struct ent *e, int cmd) {
         __atomic_add_fetch(&ring_errors, 1, __ATOMIC_RELAXED);
     else if (!pthread_equal(pthread_self(), q->tid)) {
         uint64_t one = 1;
-        if (idle_policy && boost && !__atomic_exchange_n(&q->boosted, 1, __ATOMIC_ACQ_REL)) {
+        if (idle_policy != POLICY_OTHER && boost && !__atomic_load_n(&q->other, __ATOMIC_RELAXED) &&
+            !__atomic_exchange_n(&q->boosted, 1, __ATOMIC_ACQ_REL)) {
             struct sched_param sp = {0}; /* it must run to submit this reply: no waiting for */
             (void)pthread_setschedparam(q->tid, SCHED_OTHER, &sp); /* an idle CPU */
         }
@@ -262,6 +290,16 @@ static void take(struct queue *q, struct ent *e, char **mem) {
     memcpy(*mem + sizeof(in), e->hdr->op_in, op);
     memcpy(*mem + sizeof(in) + op, e->payload, pay);
     __atomic_store_n(&e->unique, in.unique, __ATOMIC_RELEASE);
+    /* another request of this queue not answered yet: readers overlap here, and an idle-class
+     * thread would wait for a CPU with nothing else to run (cold 4 readers); SCHED_OTHER for a
+     * while. One reader never overlaps (its RELEASE is answered at once, inline). */
+    if (__atomic_fetch_add(&q->held, 1, __ATOMIC_ACQ_REL) > 0 && idle_policy == POLICY_AUTO) {
+        q->contended_at = now_ns();
+        if (!q->other) {
+            set_other(q, 1);
+            __atomic_add_fetch(&contended_switches, 1, __ATOMIC_RELAXED);
+        }
+    }
     __atomic_add_fetch(&by_ring, 1, __ATOMIC_RELAXED);
     fanstore_threads_dispatch(mem, in.len);
 }
@@ -273,10 +311,8 @@ static void *ring_main(void *arg) {
     CPU_ZERO(&set);
     CPU_SET(q->qid, &set);
     (void)sched_setaffinity(0, sizeof(set), &set); /* a CPU we may not run on: served anyway */
-    if (idle_policy) { /* see the top of the file */
-        struct sched_param sp = {0};
-        (void)pthread_setschedparam(pthread_self(), SCHED_IDLE, &sp);
-    }
+    if (idle_policy != POLICY_OTHER) /* see the top of the file */
+        set_other(q, 0);
     fanstore_threads_ring_thread();
     char *mem = malloc(payload_len + 4096);
     for (int go = mem != NULL; go;) {
@@ -284,16 +320,26 @@ static void *ring_main(void *arg) {
          * exactly the SQEs not yet taken (the kernel waits only when it took all it was told:
          * one another thread took meanwhile makes this call return at once, and the next wait) */
         int ready = __atomic_load_n(q->cq_tail, __ATOMIC_ACQUIRE) != *q->cq_head;
-        if (!ready && __atomic_exchange_n(&q->boosted, 0, __ATOMIC_ACQ_REL)) {
-            struct sched_param sp = {0}; /* kicked and served: idle class again */
-            (void)pthread_setschedparam(pthread_self(), SCHED_IDLE, &sp);
+        int64_t left = 0; /* SCHED_OTHER for overlapping requests: this long yet */
+        if (!ready && idle_policy != POLICY_OTHER) {
+            /* kicked and served, or no overlap for CONTENDED_NS: idle class again */
+            int boosted = __atomic_exchange_n(&q->boosted, 0, __ATOMIC_ACQ_REL);
+            left = q->other ? q->contended_at + CONTENDED_NS - now_ns() : 0;
+            if ((boosted || q->other) && left <= 0)
+                set_other(q, 0);
         }
         pthread_mutex_lock(&q->lock);
         unsigned pending = *q->sq_tail - __atomic_load_n(q->sq_head, __ATOMIC_ACQUIRE);
         pthread_mutex_unlock(&q->lock);
+        /* a SCHED_OTHER thread waits only until its overlap window ends (-ETIME), and goes back
+         * to the idle class before it waits again */
+        struct __kernel_timespec ts = {left / 1000000000LL, left % 1000000000LL};
+        struct io_uring_getevents_arg ga = {.ts = (uint64_t)(uintptr_t)&ts};
+        int timed = !ready && left > 0;
         long r = syscall(__NR_io_uring_enter, q->fd, pending, ready ? 0 : 1,
-                         ready ? 0 : IORING_ENTER_GETEVENTS, NULL, 0);
-        if (r < 0 && errno != EINTR && errno != EAGAIN && errno != EBUSY)
+                         (ready ? 0 : IORING_ENTER_GETEVENTS) | (timed ? IORING_ENTER_EXT_ARG : 0),
+                         timed ? (void *)&ga : NULL, timed ? sizeof(ga) : 0);
+        if (r < 0 && errno != EINTR && errno != EAGAIN && errno != EBUSY && errno != ETIME)
             break;
         unsigned head = *q->cq_head, tail = __atomic_load_n(q->cq_tail, __ATOMIC_ACQUIRE);
         for (; head != tail && go; head++) {
@@ -376,6 +422,7 @@ static ssize_t commit(struct ent *e, const struct iovec *iov, int count) {
     memcpy(e->hdr->in_out, &oh, sizeof(oh));
     e->hdr->ent.payload_sz = (uint32_t)len;
     __atomic_store_n(&e->unique, 0, __ATOMIC_RELEASE);
+    __atomic_sub_fetch(&e->q->held, 1, __ATOMIC_ACQ_REL);
     if (pthread_equal(pthread_self(), e->q->tid) == 0)
         __atomic_add_fetch(&commits_elsewhere, 1, __ATOMIC_RELAXED);
     int r = send_cmd(e->q, e, FUSE_URING_CMD_COMMIT_AND_FETCH);
@@ -515,7 +562,9 @@ static void start_rings(void) {
 
 void fanstore_uring_setup(int fd, size_t bufsize) {
     const char *idle = getenv("FANSTORE_FUSE_URING_IDLE");
-    idle_policy = idle == NULL || strcmp(idle, "0") != 0;
+    idle_policy = idle == NULL || *idle == '\0' || strcmp(idle, "auto") == 0 ? POLICY_AUTO
+                  : strcmp(idle, "0") == 0                                   ? POLICY_OTHER
+                                                                             : POLICY_IDLE;
     const char *b = getenv("FANSTORE_FUSE_URING_BOOST");
     boost = b == NULL || strcmp(b, "0") != 0;
     dev_fd = fd;
@@ -548,12 +597,13 @@ void fanstore_uring_stop(void) {
 }
 
 /* fuse_uring_counts(): (queues live, requests taken from rings, replies committed by another
- * thread than the queue's, ring errors) */
+ * thread than the queue's, ring errors, ring threads made SCHED_OTHER by overlapping requests) */
 PyObject *fanstore_py_fuse_uring_counts(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
-    return Py_BuildValue("(iKKK)", __atomic_load_n(&live, __ATOMIC_ACQUIRE) ? nq : 0,
+    return Py_BuildValue("(iKKKK)", __atomic_load_n(&live, __ATOMIC_ACQUIRE) ? nq : 0,
                          __atomic_load_n(&by_ring, __ATOMIC_RELAXED),
                          __atomic_load_n(&commits_elsewhere, __ATOMIC_RELAXED),
-                         __atomic_load_n(&ring_errors, __ATOMIC_RELAXED));
+                         __atomic_load_n(&ring_errors, __ATOMIC_RELAXED),
+                         __atomic_load_n(&contended_switches, __ATOMIC_RELAXED));
 }
