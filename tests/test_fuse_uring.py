@@ -38,13 +38,14 @@ def _shim(m, rank: int = 0) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def _mount(tmp_path: Path, state_dir, debug: bool = False, ranks: int | None = None):
+def _mount(tmp_path: Path, state_dir, debug: bool = False, ranks: int | None = None,
+           env: dict[str, str] | None = None):
     src = tmp_path / "src"
     files = _tree(src)
     dest = prep_cli(src, tmp_path / "dest", *(["-p", "4"] if ranks else []))
     mnt = tmp_path / ("mnt{rank}" if ranks else "mnt")
     with mounted(dest, mnt, state_dir, local=tmp_path / ("local{rank}" if ranks else "local"),
-                 ranks=ranks, extra_args=["--debug"] if debug else [], env=URING) as m:
+                 ranks=ranks, extra_args=["--debug"] if debug else [], env={**URING, **(env or {})}) as m:
         yield m, files
 
 
@@ -94,14 +95,26 @@ def test_ring_threads_take_the_requests_while_files_are_written(tmp_path, state_
 
 
 @pytest.mark.timeout(240)
-def test_two_ranks_read_remote_blobs_through_the_rings(tmp_path, state_dir):
-    with _mount(tmp_path, state_dir, ranks=2) as (m, files):
+@pytest.mark.parametrize("direct", ["", "0"])
+def test_two_ranks_read_remote_blobs_through_the_rings(tmp_path, state_dir, direct):
+    """Every file byte for byte through rank 0's rings. A ring thread sends a small remote
+    READ's request itself with its own reply bell, polled in its ring, and answers the READ when
+    that bell rings (`thread_replies`); `FANSTORE_FUSE_URING_DIRECT=0`: the remote thread sends
+    and answers them all."""
+    knob = {"FANSTORE_FUSE_URING_DIRECT": direct} if direct else {}
+    with _mount(tmp_path, state_dir, ranks=2, env=knob) as (m, files):
         root = Path(m.mountpoints[0])
         for rel, body in sorted(files.items()):
             with open(root / rel, "rb", buffering=0) as f:
                 assert f.read() == body, rel
         ranks = status_ranks(m.status())
         assert ranks[0]["stats"]["remote_reads"] > 0, ranks[0]["stats"]
+        c = ranks[0]["c_remote"]
+        assert c["c_reads"] > 0 and c["corrupt"] == c["timeouts"] == c["c_read_fallbacks"] == 0, c
+        if direct == "0":
+            assert c["thread_replies"] == c["direct_sends"] == 0, c
+        else:  # nearly every reply: one may reach the remote thread first (woken meanwhile)
+            assert c["direct_sends"] > 0 and c["thread_replies"] >= c["c_reads"] // 2, c
         for r in ranks:
             assert r["fuse_shim"]["c_uring_errors"] == 0, r["fuse_shim"]
         assert ranks[0]["fuse_shim"]["c_uring_requests"] >= len(files), ranks[0]["fuse_shim"]

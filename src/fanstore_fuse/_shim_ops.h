@@ -55,10 +55,17 @@ int fanstore_threads_unstick(void);
 unsigned long long fanstore_threads_spares(void);
 /* For _shim_uring.c's ring threads: a request laid out as /dev/fuse gives it (`*mem`, `len`
  * bytes; the buffer may be swapped for a new one), answered in C or queued for trio; the calling
- * thread made a C thread (no direct MPI sends); a thread started with its signals blocked and
- * named `name`N (0, or an errno). */
+ * thread made a C thread (ring thread of queue `qid`, which sends remote READs itself; -1: no
+ * direct MPI sends); a thread started with its signals blocked and named `name`N (0, or an
+ * errno). */
 void fanstore_threads_dispatch(char **mem, size_t len);
-void fanstore_threads_ring_thread(void);
+void fanstore_threads_ring_thread(int qid);
+/* _shim_remote_tbell.c, for a ring thread, which waits in its ring instead of in ppoll: the
+ * fds of its reply bell to poll there (how many: 0 while it has none), and what to do when
+ * one (`fd`) was rung or a wait of FANSTORE_BELL_WAIT_NS ended with calls in flight (-1). */
+int fanstore_remote_bell_fds(int fds[2]);
+void fanstore_remote_take_own(int fd);
+#define FANSTORE_BELL_WAIT_NS 2000000LL /* as _shim_remote_tbell.c's WAIT_NS */
 int fanstore_threads_spawn(pthread_t *tid, void *(*fn)(void *), void *arg, const char *name, int n);
 
 /* _shim_uring.c: FUSE over io_uring (FANSTORE_FUSE_URING=1). The custom io's writev and read

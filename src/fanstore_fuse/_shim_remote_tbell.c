@@ -25,6 +25,9 @@
  * flight, and every call keeps its deadline. While a thread is stuck inside MPI (a dead peer's
  * netmod) no thread probes: the wait pokes the remote thread instead.
  * FANSTORE_CREMOTE_REPLY_BELL=0: off (the remote thread takes every reply, as before).
+ * A ring thread of _shim_uring.c waits in its ring, not in ppoll: it polls the bell's fds there
+ * (fanstore_remote_bell_fds) and calls fanstore_remote_take_own when one rang or its wait of
+ * WAIT_NS ended with calls in flight.
  */
 #define _GNU_SOURCE
 #define FUSE_USE_VERSION 35
@@ -36,7 +39,7 @@
 #include "_shim_remote_int.h"
 
 #define TB_MAX 8          /* calls one thread follows at once; more go the remote thread's way */
-#define WAIT_NS 2000000L  /* a probe at least this often while waiting (a lost bell) */
+#define WAIT_NS FANSTORE_BELL_WAIT_NS /* a probe at least this often while waiting (a lost bell) */
 
 static int tbell_on = 1;
 
@@ -182,5 +185,22 @@ void fanstore_remote_wait_own(int dev_fd) {
             fsr_take_rings(tb->local);
         COUNT(thread_waits);
         tb_receive(r > 0, fsr_now());
+    }
+}
+
+int fanstore_remote_bell_fds(int fds[2]) {
+    if (tb == NULL)
+        return 0;
+    fds[0] = tb->udp;
+    fds[1] = tb->local;
+    return tb->local >= 0 ? 2 : 1;
+}
+
+void fanstore_remote_take_own(int fd) {
+    if (fd >= 0)
+        fsr_take_rings(fd);
+    if (tb_prune() > 0) {
+        COUNT(thread_waits);
+        tb_receive(fd >= 0, fsr_now());
     }
 }

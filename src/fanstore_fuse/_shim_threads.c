@@ -122,6 +122,9 @@ static int stopping;
 static int64_t mpi_since[MAX_THREADS]; /* ns of CLOCK_MONOTONIC the thread is inside MPI since; 0: not */
 static char replaced[MAX_THREADS];     /* a thread was started in its place */
 static __thread int my_index = -1;
+#define MAX_RINGS 64                   /* as _shim_uring.c's MAX_QUEUES */
+static int64_t ring_mpi_since[MAX_RINGS]; /* the same, for ring threads that send remote READs */
+static __thread int my_ring = -1;      /* a ring thread's queue, when it may call MPI */
 #define SPARE_NS 500000000LL           /* inside MPI this long: another thread reads requests */
 
 static int64_t now_ns(void) {
@@ -295,9 +298,10 @@ void fanstore_threads_dispatch(char **mem, size_t len) {
     }
 }
 
-void fanstore_threads_ring_thread(void) {
+void fanstore_threads_ring_thread(int qid) {
     fanstore_c_thread = 1;
-    my_index = -1; /* no direct MPI sends: nobody would read its queue's requests meanwhile */
+    my_index = -1; /* no spare thread reads requests in its place */
+    my_ring = qid >= 0 && qid < MAX_RINGS ? qid : -1;
 }
 
 int fanstore_threads_spawn(pthread_t *tid, void *(*fn)(void *), void *arg, const char *name, int n) {
@@ -399,21 +403,29 @@ int fanstore_threads_on(struct fuse_session *se) { return running > 0 && se == t
 void fanstore_threads_mpi(int inside) {
     if (my_index >= 0)
         __atomic_store_n(&mpi_since[my_index], inside ? now_ns() : 0, __ATOMIC_RELEASE);
+    else if (my_ring >= 0)
+        __atomic_store_n(&ring_mpi_since[my_ring], inside ? now_ns() : 0, __ATOMIC_RELEASE);
+}
+
+static int stuck_in(const int64_t *since, int n, int64_t t) {
+    for (int k = 0; k < n; k++) {
+        int64_t s = __atomic_load_n(&since[k], __ATOMIC_ACQUIRE);
+        if (s != 0 && t - s >= FANSTORE_STUCK_NS)
+            return 1;
+    }
+    return 0;
 }
 
 int fanstore_threads_direct_ok(void) {
-    if (!fanstore_c_thread || my_index < 0)
+    if (!fanstore_c_thread || (my_index < 0 && my_ring < 0))
         return 0; /* the trio thread, or a worker: nobody would read requests in its place */
     int n = __atomic_load_n(&running, __ATOMIC_ACQUIRE);
-    if (n >= MAX_THREADS)
+    if (my_index >= 0 && n >= MAX_THREADS)
         return 0; /* no room for a spare */
+    /* a ring thread has no spare: while any thread is stuck inside MPI (a dead peer's netmod),
+     * none sends, and the remote thread takes the calls */
     int64_t t = now_ns();
-    for (int k = 0; k < n; k++) {
-        int64_t since = __atomic_load_n(&mpi_since[k], __ATOMIC_ACQUIRE);
-        if (since != 0 && t - since >= FANSTORE_STUCK_NS)
-            return 0;
-    }
-    return 1;
+    return !stuck_in(mpi_since, n, t) && !stuck_in(ring_mpi_since, MAX_RINGS, t);
 }
 
 int fanstore_threads_unstick(void) {

@@ -52,8 +52,15 @@
  *   per request answered there), other threads publish theirs and kick it (an eventfd polled
  *   in its ring).
  * No liburing: the three system calls and the ring layout of <linux/io_uring.h>.
- * Remote READs taken from a ring are not sent by the ring thread itself (no direct send):
- * _shim_remote.c's remote thread sends them and answers them.
+ * - remote READs: the ring thread sends a small whole blob's request itself with its own reply
+ *   bell (_shim_remote_tbell.c), as a C FUSE thread does, and polls that bell's fds in its ring
+ *   (multishot, from its first such READ on); rung, it takes the reply and answers the READ,
+ *   so the commit needs no kick. With calls in flight it waits at most FANSTORE_BELL_WAIT_NS
+ *   and probes (a lost bell). While any thread is stuck inside MPI none sends (the remote
+ *   thread does): a ring thread has no spare to take its queue meanwhile.
+ *   FANSTORE_FUSE_URING_DIRECT=0: the remote thread sends and answers them all (as before).
+ *   Measured (bench.cost, 2 ranks, one reader): 205 us of daemon CPU per remote file against
+ *   251, the requester's remote thread 0.5 us per file (docs/performance.md).
  */
 #define _GNU_SOURCE
 #include <Python.h>
@@ -82,6 +89,7 @@
 #define SQE_SIZE 128        /* IORING_SETUP_SQE128 */
 #define STOP_TAG 1          /* user_data of the stop eventfd's poll */
 #define KICK_TAG 2          /* user_data of the kick eventfd's (multishot) poll */
+#define BELL_TAG 3          /* 3 and 4: the ring thread's reply bell's fds (multishot polls) */
 
 struct ent {
     struct fuse_uring_header *hdr;
@@ -120,6 +128,7 @@ static int wanted = -1;     /* FANSTORE_FUSE_URING, read once: 1 asks for it */
 #define CONTENDED_NS 20000000LL
 static int idle_policy = POLICY_AUTO;
 static int boost = 1;       /* FANSTORE_FUSE_URING_BOOST: a kicked idle ring thread runs SCHED_OTHER */
+static int direct = 1;      /* FANSTORE_FUSE_URING_DIRECT: ring threads send remote READs */
 static int dev_fd = -1;
 static size_t payload_len;
 static uint64_t init_unique;
@@ -313,8 +322,9 @@ static void *ring_main(void *arg) {
     (void)sched_setaffinity(0, sizeof(set), &set); /* a CPU we may not run on: served anyway */
     if (idle_policy != POLICY_OTHER) /* see the top of the file */
         set_other(q, 0);
-    fanstore_threads_ring_thread();
+    fanstore_threads_ring_thread(direct ? q->qid : -1);
     char *mem = malloc(payload_len + 4096);
+    int bells = 0, bell_fd[2] = {-1, -1}; /* its reply bell's fds, polled in its ring */
     for (int go = mem != NULL; go;) {
         /* what this thread queued (its answers' commits) submitted, then wait for a request;
          * exactly the SQEs not yet taken (the kernel waits only when it took all it was told:
@@ -333,14 +343,20 @@ static void *ring_main(void *arg) {
         pthread_mutex_unlock(&q->lock);
         /* a SCHED_OTHER thread waits only until its overlap window ends (-ETIME), and goes back
          * to the idle class before it waits again */
+        /* remote READs this thread sent and still follows: a probe at least every
+         * FANSTORE_BELL_WAIT_NS (a lost bell), as a C FUSE thread's ppoll */
+        int own = bells && fanstore_remote_own_calls() > 0;
+        if (own && (left <= 0 || left > FANSTORE_BELL_WAIT_NS))
+            left = FANSTORE_BELL_WAIT_NS;
         struct __kernel_timespec ts = {left / 1000000000LL, left % 1000000000LL};
         struct io_uring_getevents_arg ga = {.ts = (uint64_t)(uintptr_t)&ts};
-        int timed = !ready && left > 0;
+        int timed = !ready && left > 0, rung = 0;
         long r = syscall(__NR_io_uring_enter, q->fd, pending, ready ? 0 : 1,
                          (ready ? 0 : IORING_ENTER_GETEVENTS) | (timed ? IORING_ENTER_EXT_ARG : 0),
                          timed ? (void *)&ga : NULL, timed ? sizeof(ga) : 0);
         if (r < 0 && errno != EINTR && errno != EAGAIN && errno != EBUSY && errno != ETIME)
             break;
+        int timed_out = r < 0 && errno == ETIME;
         unsigned head = *q->cq_head, tail = __atomic_load_n(q->cq_tail, __ATOMIC_ACQUIRE);
         for (; head != tail && go; head++) {
             struct io_uring_cqe c = q->cqes[head & q->cq_mask];
@@ -353,6 +369,17 @@ static void *ring_main(void *arg) {
                 if (!(c.flags & IORING_CQE_F_MORE)) { /* the multishot poll ended: again */
                     pthread_mutex_lock(&q->lock);
                     poll_sqe(q, q->kickfd, KICK_TAG, 1);
+                    pthread_mutex_unlock(&q->lock);
+                }
+            } else if (c.user_data == BELL_TAG || c.user_data == BELL_TAG + 1) {
+                /* a reply to one of its remote READs: taken and answered here (committed by
+                 * this thread, no kick) */
+                int fd = bell_fd[c.user_data - BELL_TAG];
+                rung = 1;
+                fanstore_remote_take_own(fd);
+                if (!(c.flags & IORING_CQE_F_MORE) && c.res >= 0) {
+                    pthread_mutex_lock(&q->lock);
+                    poll_sqe(q, fd, c.user_data, 1);
                     pthread_mutex_unlock(&q->lock);
                 }
             } else if (c.res == -EINTR || c.res == -EAGAIN) {
@@ -374,6 +401,15 @@ static void *ring_main(void *arg) {
             } else {
                 take(q, (struct ent *)(uintptr_t)c.user_data, &mem);
             }
+        }
+        if (own && timed_out && !rung)
+            fanstore_remote_take_own(-1); /* no bell within FANSTORE_BELL_WAIT_NS: probe */
+        if (!bells && direct && (bells = fanstore_remote_bell_fds(bell_fd)) > 0) {
+            /* its first remote READ opened its bell: polled in its ring from now on */
+            pthread_mutex_lock(&q->lock);
+            for (int k = 0; k < bells; k++)
+                poll_sqe(q, bell_fd[k], BELL_TAG + (uint64_t)k, 1);
+            pthread_mutex_unlock(&q->lock);
         }
     }
     free(mem);
@@ -567,6 +603,8 @@ void fanstore_uring_setup(int fd, size_t bufsize) {
                                                                              : POLICY_IDLE;
     const char *b = getenv("FANSTORE_FUSE_URING_BOOST");
     boost = b == NULL || strcmp(b, "0") != 0;
+    const char *d = getenv("FANSTORE_FUSE_URING_DIRECT");
+    direct = d == NULL || strcmp(d, "0") != 0;
     dev_fd = fd;
     payload_len = bufsize;
     init_offered = 0;
