@@ -221,7 +221,8 @@ def test_request_threads_poll_for_the_next_request_unless_turned_off(tmp_path, s
     50; 0: never) while no CPU is wanted by more tasks than it can run, so one reader's next
     request does not wait for a halted CPU to wake (docs/performance.md, seventeenth session).
     One reader and a writer; every byte compared either way."""
-    env = {"FANSTORE_FUSE_SPIN_US": knob} if knob else {}
+    # the poll is the /dev/fuse threads' (FUSE over io_uring's ring threads take the requests)
+    env = {"FANSTORE_FUSE_URING": "0", **({"FANSTORE_FUSE_SPIN_US": knob} if knob else {})}
     with _mount(tmp_path, state_dir, "1", env=env) as (m, files):
         _read_and_write(m, files, 1, 1, 3)
         c = _shim(m)

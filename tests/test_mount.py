@@ -260,11 +260,13 @@ def test_stale_mount_after_sigkill(src_tree: Path, dest: Path, tmp_path: Path, s
         deadline = time.monotonic() + 10
         while any(_mountctl.pid_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
-        # The dead mount is still in the table, and answers ENOTCONN.
+        # The dead mount is still in the table, and answers ENOTCONN (ECONNABORTED while the
+        # kernel aborts the connection; with FUSE over io_uring a request caught in the rings'
+        # teardown gets ECANCELED instead).
         assert str(mp) in fuse_mounts()
         with pytest.raises(OSError) as ei:
             os.stat(mp / "empty")
-        assert ei.value.errno in (errno.ENOTCONN, errno.ECONNABORTED)
+        assert ei.value.errno in (errno.ENOTCONN, errno.ECONNABORTED, errno.ECANCELED)
         r = m.umount()
         assert "cleaned stale mount" in r.stderr, r.stderr
         assert str(mp) not in fuse_mounts()
