@@ -65,6 +65,7 @@ def test_ring_threads_take_the_requests_while_files_are_written(tmp_path, state_
         c = _shim(m)
         cpus = os.sysconf("SC_NPROCESSORS_CONF")
         assert c["c_uring_queues"] == cpus, c
+        assert c["c_uring_depth"] == min(16, max(2, 256 // cpus)), c
         assert c["c_uring_errors"] == 0, c
         # the readers' opens and releases came by the rings, and were answered in C
         assert c["c_uring_requests"] >= 4 * 3 * len(files), c
@@ -92,6 +93,20 @@ def test_ring_threads_take_the_requests_while_files_are_written(tmp_path, state_
     assert m.forced == []
     for pid in st.pids:
         assert not _running(pid), f"daemon {pid} still running"
+
+
+@pytest.mark.timeout(240)
+def test_two_entries_per_queue_serve_concurrent_readers_and_a_writer(tmp_path, state_dir):
+    """FANSTORE_FUSE_URING_DEPTH=2 (what a node with 128 CPUs gets): four readers and a
+    writer hold more requests than a queue has entries; the rest wait in the kernel and every
+    file still reads byte for byte."""
+    with _mount(tmp_path, state_dir, env={"FANSTORE_FUSE_URING_DEPTH": "2"}) as (m, files):
+        _read_and_write(m, files, 4, 2, 30)
+        c = _shim(m)
+        assert c["c_uring_depth"] == 2 and c["c_uring_errors"] == 0, c
+        assert c["c_uring_requests"] >= 4 * 2 * len(files), c
+        m.umount()
+    assert m.forced == []
 
 
 @pytest.mark.timeout(240)

@@ -77,8 +77,8 @@ def counts() -> dict[str, int]:
         shim.fast_counts() if hasattr(shim, "fast_counts") else (0,) * 6)
     threads, on_threads, handed, batch, spins, spin_hits, spin_ns = (
         shim.fuse_thread_counts() if hasattr(shim, "fuse_thread_counts") else (0,) * 7)
-    queues, by_ring, elsewhere, ring_errors, contended = (
-        shim.fuse_uring_counts() if hasattr(shim, "fuse_uring_counts") else (0,) * 5)
+    queues, by_ring, elsewhere, ring_errors, contended, depth = (
+        shim.fuse_uring_counts() if hasattr(shim, "fuse_uring_counts") else (0,) * 6)
     return {"c_opens": int(opens), "c_releases": int(releases), "c_getattrs": int(getattrs),
             "c_lingered": int(lingered), "c_trio_returns": int(returns),
             "c_trio_busy": int(busy), "c_fuse_threads": int(threads),
@@ -87,7 +87,7 @@ def counts() -> dict[str, int]:
             "c_fuse_spin_hits": int(spin_hits), "c_fuse_spin_ns": int(spin_ns),
             "c_uring_queues": int(queues), "c_uring_requests": int(by_ring),
             "c_uring_commits_elsewhere": int(elsewhere), "c_uring_errors": int(ring_errors),
-            "c_uring_contended": int(contended),
+            "c_uring_contended": int(contended), "c_uring_depth": int(depth),
             "noflush_opens": _fastclose.noflush_opens(),
             "cached_listings": _fastclose.cached_listings(), **_fastread.counts(),
             **_diskcache.c_counts()}

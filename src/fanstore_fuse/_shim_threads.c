@@ -122,7 +122,7 @@ static int stopping;
 static int64_t mpi_since[MAX_THREADS]; /* ns of CLOCK_MONOTONIC the thread is inside MPI since; 0: not */
 static char replaced[MAX_THREADS];     /* a thread was started in its place */
 static __thread int my_index = -1;
-#define MAX_RINGS 64                   /* as _shim_uring.c's MAX_QUEUES */
+#define MAX_RINGS 1024                 /* as _shim_uring.c's MAX_QUEUES */
 static int64_t ring_mpi_since[MAX_RINGS]; /* the same, for ring threads that send remote READs */
 static __thread int my_ring = -1;      /* a ring thread's queue, when it may call MPI */
 #define SPARE_NS 500000000LL           /* inside MPI this long: another thread reads requests */

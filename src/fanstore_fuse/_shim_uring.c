@@ -84,8 +84,9 @@
 #include "_fuse_uring_abi.h"
 #include "_shim_ops.h"
 
-#define DEPTH 16            /* entries per queue */
-#define MAX_QUEUES 64
+#define MAX_DEPTH 16        /* entries per queue, at most */
+#define MAX_QUEUES 1024     /* as the kernel, one per CPU the system is configured for */
+#define RING_BUFFERS_MIB 256 /* the depth: 16, fewer where this many 1 MiB payloads would not do */
 #define SQE_SIZE 128        /* IORING_SETUP_SQE128 */
 #define STOP_TAG 1          /* user_data of the stop eventfd's poll */
 #define KICK_TAG 2          /* user_data of the kick eventfd's (multishot) poll */
@@ -116,7 +117,7 @@ struct queue {
     struct io_uring_cqe *cqes;
     void *sq_ptr, *cq_ptr;
     size_t sq_len, cq_len, sqes_len;
-    struct ent ents[DEPTH];
+    struct ent ents[MAX_DEPTH];
 };
 
 static int wanted = -1;     /* FANSTORE_FUSE_URING, read once: 1 asks for it */
@@ -131,6 +132,7 @@ static int boost = 1;       /* FANSTORE_FUSE_URING_BOOST: a kicked idle ring thr
 static int direct = 1;      /* FANSTORE_FUSE_URING_DIRECT: ring threads send remote READs */
 static int dev_fd = -1;
 static size_t payload_len;
+static int depth = MAX_DEPTH; /* entries per queue (start_rings; FANSTORE_FUSE_URING_DEPTH) */
 static uint64_t init_unique;
 static int init_offered;    /* the INIT request offered FUSE_OVER_IO_URING */
 static int nq;
@@ -165,8 +167,8 @@ static int ring_setup(struct queue *q) {
     struct io_uring_params p;
     memset(&p, 0, sizeof(p));
     p.flags = IORING_SETUP_SQE128 | IORING_SETUP_CQSIZE;
-    p.cq_entries = 4 * DEPTH;
-    q->fd = (int)syscall(__NR_io_uring_setup, DEPTH + 2, &p);
+    p.cq_entries = 4 * (unsigned)depth + 8; /* the entries', and the stop, kick and bell polls' */
+    q->fd = (int)syscall(__NR_io_uring_setup, (unsigned)depth + 4, &p);
     if (q->fd < 0)
         return -errno;
     q->sq_len = p.sq_off.array + p.sq_entries * sizeof(unsigned);
@@ -435,7 +437,7 @@ int fanstore_uring_waiting(void) {
 static struct ent *holding(uint64_t unique) {
     int n = __atomic_load_n(&nq, __ATOMIC_ACQUIRE); /* queues are never freed */
     for (int k = 0; k < n; k++)
-        for (int i = 0; i < DEPTH; i++)
+        for (int i = 0; i < depth; i++)
             if (__atomic_load_n(&queues[k]->ents[i].unique, __ATOMIC_ACQUIRE) == unique)
                 return &queues[k]->ents[i];
     return NULL;
@@ -529,7 +531,7 @@ static struct queue *queue_new(int qid) {
     if (ring_setup(q) != 0 || (q->evfd = eventfd(0, EFD_CLOEXEC)) < 0 ||
         (q->kickfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) < 0)
         return q; /* q->up stays 0: closed by the caller */
-    for (int i = 0; i < DEPTH; i++) {
+    for (int i = 0; i < depth; i++) {
         struct ent *e = &q->ents[i];
         e->q = q;
         e->hdr = alloc_pages(4096);
@@ -560,7 +562,7 @@ static void queue_free(struct queue *q) {
         munmap(q->cq_ptr, q->cq_len);
     if (q->sq_ptr != NULL && q->sq_ptr != MAP_FAILED)
         munmap(q->sq_ptr, q->sq_len);
-    for (int i = 0; i < DEPTH; i++) {
+    for (int i = 0; i < depth; i++) {
         if (q->ents[i].hdr != NULL)
             munmap(q->ents[i].hdr, 4096);
         if (q->ents[i].payload != NULL)
@@ -572,9 +574,22 @@ static void queue_free(struct queue *q) {
 
 /* After the INIT reply that asked for it: a queue and its thread per CPU. */
 static void start_rings(void) {
+    /* one queue per CPU the system is configured for, as the kernel counts them (it uses the
+     * rings only once every one of them registered); each entry has a 1 MiB payload buffer,
+     * touched as far as replies fill it: 16 entries per queue, fewer on many CPUs, so that all
+     * of them stay within RING_BUFFERS_MIB (at least 2 per queue) */
     int cpus = (int)sysconf(_SC_NPROCESSORS_CONF);
-    if (cpus > MAX_QUEUES)
-        cpus = MAX_QUEUES;
+    if (cpus > MAX_QUEUES) {
+        fprintf(stderr, "fanstore-fuse: %d CPUs, more than the %d io_uring queues this build "
+                        "sets up; requests stay on /dev/fuse\n", cpus, MAX_QUEUES);
+        return;
+    }
+    size_t mib = payload_len >> 20 > 0 ? payload_len >> 20 : 1;
+    long want = RING_BUFFERS_MIB / ((long)cpus * (long)mib);
+    const char *d = getenv("FANSTORE_FUSE_URING_DEPTH");
+    if (d != NULL && *d != '\0')
+        want = strtol(d, NULL, 10);
+    depth = want < 2 ? 2 : want > MAX_DEPTH ? MAX_DEPTH : (int)want;
     for (int k = 0; k < cpus; k++) {
         struct queue *q = queue_new(k);
         if (q == NULL || !q->up) {
@@ -635,13 +650,14 @@ void fanstore_uring_stop(void) {
 }
 
 /* fuse_uring_counts(): (queues live, requests taken from rings, replies committed by another
- * thread than the queue's, ring errors, ring threads made SCHED_OTHER by overlapping requests) */
+ * thread than the queue's, ring errors, ring threads made SCHED_OTHER by overlapping requests,
+ * entries per queue) */
 PyObject *fanstore_py_fuse_uring_counts(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
-    return Py_BuildValue("(iKKKK)", __atomic_load_n(&live, __ATOMIC_ACQUIRE) ? nq : 0,
+    return Py_BuildValue("(iKKKKi)", __atomic_load_n(&live, __ATOMIC_ACQUIRE) ? nq : 0,
                          __atomic_load_n(&by_ring, __ATOMIC_RELAXED),
                          __atomic_load_n(&commits_elsewhere, __ATOMIC_RELAXED),
                          __atomic_load_n(&ring_errors, __ATOMIC_RELAXED),
-                         __atomic_load_n(&contended_switches, __ATOMIC_RELAXED));
+                         __atomic_load_n(&contended_switches, __ATOMIC_RELAXED), depth);
 }
