@@ -125,6 +125,7 @@ static __thread int my_index = -1;
 #define MAX_RINGS 1024                 /* as _shim_uring.c's MAX_QUEUES */
 static int64_t ring_mpi_since[MAX_RINGS]; /* the same, for ring threads that send remote READs */
 static __thread int my_ring = -1;      /* a ring thread's queue, when it may call MPI */
+static int rings_seen;                 /* 1 + the highest such queue (atomic) */
 #define SPARE_NS 500000000LL           /* inside MPI this long: another thread reads requests */
 
 static int64_t now_ns(void) {
@@ -302,6 +303,10 @@ void fanstore_threads_ring_thread(int qid) {
     fanstore_c_thread = 1;
     my_index = -1; /* no spare thread reads requests in its place */
     my_ring = qid >= 0 && qid < MAX_RINGS ? qid : -1;
+    for (int seen = __atomic_load_n(&rings_seen, __ATOMIC_ACQUIRE); my_ring >= seen;)
+        if (__atomic_compare_exchange_n(&rings_seen, &seen, my_ring + 1, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE))
+            break;
 }
 
 int fanstore_threads_spawn(pthread_t *tid, void *(*fn)(void *), void *arg, const char *name, int n) {
@@ -425,7 +430,8 @@ int fanstore_threads_direct_ok(void) {
     /* a ring thread has no spare: while any thread is stuck inside MPI (a dead peer's netmod),
      * none sends, and the remote thread takes the calls */
     int64_t t = now_ns();
-    return !stuck_in(mpi_since, n, t) && !stuck_in(ring_mpi_since, MAX_RINGS, t);
+    return !stuck_in(mpi_since, n, t) &&
+           !stuck_in(ring_mpi_since, __atomic_load_n(&rings_seen, __ATOMIC_ACQUIRE), t);
 }
 
 int fanstore_threads_unstick(void) {
