@@ -8,12 +8,14 @@ remote blobs of a 2-rank mount; the daemon ending on an external unmount. Needs 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import signal
 import time
 from pathlib import Path
 
 import pytest
-from _harness import mounted, prep_cli, status_ranks
+from _harness import fuse_mounts, mounted, prep_cli, status_ranks
 from test_fusethreads import (
     _read_and_write,
     _running,
@@ -145,6 +147,37 @@ def test_external_unmount_ends_the_daemon_with_rings(tmp_path, state_dir):
         assert (m.path / rel).read_bytes() == files[rel]
         assert _shim(m)["c_uring_queues"] > 0
         unmount_externally(m)
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_daemon_with_rings_leaves_a_stale_mount_that_umount_cleans(tmp_path, state_dir):
+    """SIGKILL with the rings up: the mount answers an error at once (the kernel's ring
+    teardown may give ECANCELED to a request it caught), `umount` cleans it, and a fresh mount
+    at the same place reads again."""
+    with _mount(tmp_path, state_dir) as (m, files):
+        rel = sorted(files)[3]
+        assert (m.path / rel).read_bytes() == files[rel]
+        assert _shim(m)["c_uring_queues"] > 0
+        pids = m.pids()
+        for p in pids:
+            os.kill(p, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(_running(p) for p in pids):
+            assert time.monotonic() < deadline, "the daemon did not die"
+            time.sleep(0.05)
+        for k in range(3):  # names never looked up (the kernel caches the others' entries)
+            with pytest.raises(OSError) as ei:
+                os.stat(m.path / f"never-looked-up-{k}")
+            assert ei.value.errno in (errno.ENOTCONN, errno.ECONNABORTED, errno.ECANCELED)
+        r = m.umount()
+        assert "cleaned stale mount" in r.stderr, r.stderr
+        assert str(m.path) not in fuse_mounts()
+    assert m.forced == []
+    with mounted(tmp_path / "dest", tmp_path / "mnt", state_dir, local=tmp_path / "local",
+                 env=URING) as m2:
+        assert (m2.path / rel).read_bytes() == files[rel]
+        assert _shim(m2)["c_uring_queues"] > 0
+    assert m2.forced == []
 
 
 def test_enable_fuse_uring_writes_the_module_parameter(tmp_path):
