@@ -198,7 +198,8 @@ def test_request_threads_run_sched_batch_unless_turned_off(tmp_path, state_dir, 
     """The request threads run SCHED_BATCH by default (a woken thread does not preempt the reader
     that woke it; docs/performance.md, fifteenth session), SCHED_OTHER with FANSTORE_FUSE_BATCH=0;
     the daemon's other threads keep SCHED_OTHER. Files read byte for byte either way."""
-    env = {"FANSTORE_FUSE_BATCH": knob} if knob else {}
+    # the /dev/fuse threads' policy (FUSE over io_uring's ring threads have their own)
+    env = {"FANSTORE_FUSE_URING": "0", **({"FANSTORE_FUSE_BATCH": knob} if knob else {})}
     with _mount(tmp_path, state_dir, "2", env=env) as (m, files):
         _read_and_write(m, files, 2, 1, 6)
         st = m.state()
