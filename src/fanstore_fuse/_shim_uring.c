@@ -28,9 +28,9 @@
  * - end: fanstore_uring_stop (from _shim_threads.c's stop, before libfuse closes /dev/fuse)
  *   wakes each ring thread through an eventfd it polls in its ring, joins it, closes the ring.
  *   A ring that the kernel ends (unmount: -ENOTCONN) ends its thread too.
- * - scheduling: each ring thread is pinned to its CPU and runs SCHED_IDLE
- *   (FANSTORE_FUSE_URING_IDLE=0: SCHED_OTHER; but see the end of this item). A reader's RELEASE is sent in the background and
- *   wakes its CPU's ring thread while the reader runs on; with two runnable tasks on that CPU
+ * - scheduling: each ring thread is pinned to its CPU and runs SCHED_IDLE (but see the end of
+ *   this item; FANSTORE_FUSE_URING_IDLE=0: SCHED_OTHER). A reader's RELEASE is sent in the
+ *   background and wakes its CPU's ring thread while the reader runs on; with two runnable tasks on that CPU
  *   the other, idle CPU pulled the reader over, and its next requests went to the other queue,
  *   each move a wake-up of a halted vCPU: one warm reader got 11-14k files/s at 17 us of ring
  *   CPU per file, 30k at 5 us with the reader pinned. An idle-class ring thread does not count
@@ -344,9 +344,8 @@ static void *ring_main(void *arg) {
         unsigned pending = *q->sq_tail - __atomic_load_n(q->sq_head, __ATOMIC_ACQUIRE);
         pthread_mutex_unlock(&q->lock);
         /* a SCHED_OTHER thread waits only until its overlap window ends (-ETIME), and goes back
-         * to the idle class before it waits again */
-        /* remote READs this thread sent and still follows: a probe at least every
-         * FANSTORE_BELL_WAIT_NS (a lost bell), as a C FUSE thread's ppoll */
+         * to the idle class before it waits again; with remote READs of its own in flight, it
+         * probes at least every FANSTORE_BELL_WAIT_NS (a lost bell), as a C FUSE thread's ppoll */
         int own = bells && fanstore_remote_own_calls() > 0;
         if (own && (left <= 0 || left > FANSTORE_BELL_WAIT_NS))
             left = FANSTORE_BELL_WAIT_NS;
