@@ -30,8 +30,8 @@
  *   A ring that the kernel ends (unmount: -ENOTCONN) ends its thread too.
  * - scheduling: each ring thread is pinned to its CPU and runs SCHED_IDLE (but see the end of
  *   this item; FANSTORE_FUSE_URING_IDLE=0: SCHED_OTHER). A reader's RELEASE is sent in the
- *   background and wakes its CPU's ring thread while the reader runs on; with two runnable tasks on that CPU
- *   the other, idle CPU pulled the reader over, and its next requests went to the other queue,
+ *   background and wakes its CPU's ring thread while the reader runs on; with two runnable
+ *   tasks on that CPU the other, idle CPU pulled the reader over, and its next requests went to the other queue,
  *   each move a wake-up of a halted vCPU: one warm reader got 11-14k files/s at 17 us of ring
  *   CPU per file, 30k at 5 us with the reader pinned. An idle-class ring thread does not count
  *   as load there and runs once the reader blocks: 35-38k files/s at 3.4 us, unpinned. Unpinned
