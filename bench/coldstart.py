@@ -1,8 +1,9 @@
 """Where a cold pass of small files goes, over time: ``python -m bench.coldstart [--files N]
-[--rounds R] [--ab KEY=VALUE] [--ab-copy]``.
+[--rounds R] [--readers K] [--ab KEY=VALUE] [--ab-copy]``.
 
-One reader reads bench.cost's tree (N files of 90-130 KB, shuffled) once, file by file with
-``os.open`` / ``readv`` of 1 MiB / ``close``, from:
+One reader (``--readers K``: K forked readers, each every K-th file of the order, as
+bench.smallfile's 4 readers) reads bench.cost's tree (N files of 90-130 KB, shuffled) once,
+file by file with ``os.open`` / ``readv`` of 1 MiB / ``close``, from:
 - ``ext4``: the source tree itself after drop_caches (no FUSE, the disk's own random reads);
 - ``cold``: a fresh 1-rank fanstore-fuse mount after drop_caches (what bench.smallfile's cold
   cells measure): the first reads find the local copy cold, then the daemon streams the copy
@@ -36,15 +37,13 @@ BUCKET = 0.05  # seconds per bucket of the timeline
 SLOW_READ = 250e-6  # longer: the read went to the disk, waited behind other I/O, or the VM stalled
 
 
-def read_pass(root: str, rels: list[str]) -> dict:
-    """Read every file once in the given order; per-phase seconds and completion times."""
+def read_files(root: str, rels: list[str], start: float) -> dict:
+    """Read every file once in the given order: per-file open, read and close seconds, and each
+    file's completion time from `start` (time.perf_counter: one clock for forked readers)."""
     buf = bytearray(1 << 20)
     mv = memoryview(buf)
-    t_open = t_read = t_close = 0.0
-    done = []
-    reads = []
+    out: dict = {"open": [], "read": [], "close": [], "done": []}
     pc = time.perf_counter
-    start = pc()
     for rel in rels:
         t0 = pc()
         fd = os.open(os.path.join(root, rel), os.O_RDONLY)
@@ -54,19 +53,63 @@ def read_pass(root: str, rels: list[str]) -> dict:
         t2 = pc()
         os.close(fd)
         t3 = pc()
-        t_open += t1 - t0
-        t_read += t2 - t1
-        reads.append(t2 - t1)
-        t_close += t3 - t2
-        done.append(t3 - start)
+        out["open"].append(t1 - t0)
+        out["read"].append(t2 - t1)
+        out["close"].append(t3 - t2)
+        out["done"].append(t3 - start)
+    return out
+
+
+def _forked(root: str, shares: list[list[str]], start: float) -> dict:
+    """read_files in one forked process per share, their results merged."""
+    kids = []
+    for share in shares:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the reader: its figures as JSON down the pipe, then gone
+            os.close(r)
+            code = 1
+            try:
+                data = json.dumps(read_files(root, share, start)).encode()
+                with os.fdopen(w, "wb") as f:
+                    f.write(data)
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        kids.append((pid, r))
+    merged: dict = {"open": [], "read": [], "close": [], "done": []}
+    failed = 0
+    for pid, r in kids:
+        with os.fdopen(r, "rb") as f:
+            data = f.read()
+        failed += os.waitpid(pid, 0)[1] != 0
+        if data:
+            for k, v in json.loads(data).items():
+                merged[k] += v
+    if failed:
+        raise RuntimeError(f"{failed} of {len(kids)} readers failed")
+    return merged
+
+
+def read_pass(root: str, rels: list[str], readers: int = 1) -> dict:
+    """Read every file once: in the given order (one reader), or every `readers`-th file of it
+    in each of `readers` forked readers; per-phase mean times and the completions timeline."""
+    start = time.perf_counter()
+    if readers > 1:
+        f = _forked(root, [rels[k::readers] for k in range(readers)], start)
+    else:
+        f = read_files(root, rels, start)
     n = len(rels)
-    timeline = [0] * (int(done[-1] / BUCKET) + 1)
-    for t in done:
+    end = max(f["done"])
+    timeline = [0] * (int(end / BUCKET) + 1)
+    for t in f["done"]:
         timeline[int(t / BUCKET)] += 1
-    late = sorted(reads[n // 2:])
-    return {"files_per_s": n / done[-1], "open_us": t_open / n * 1e6, "read_us": t_read / n * 1e6,
-            "close_us": t_close / n * 1e6, "per_50ms": timeline,
-            "late_read_p50_us": late[len(late) // 2] * 1e6,
+    # the later half of the files by completion: after the stream's start, if there was one
+    late = sorted(r for d, r in sorted(zip(f["done"], f["read"]))[n // 2:])
+    return {"files_per_s": n / end, "open_us": sum(f["open"]) / n * 1e6,
+            "read_us": sum(f["read"]) / n * 1e6, "close_us": sum(f["close"]) / n * 1e6,
+            "per_50ms": timeline, "late_read_p50_us": late[len(late) // 2] * 1e6,
             "late_slow_reads": sum(1 for t in late if t > SLOW_READ) / len(late)}
 
 
@@ -95,7 +138,8 @@ def file_huge_mib() -> float:
     return 0.0
 
 
-def fan_pass(work: Path, dest: Path, rels: list[str], env: dict, copy_cached: bool) -> dict:
+def fan_pass(work: Path, dest: Path, rels: list[str], env: dict, copy_cached: bool,
+             readers: int = 1) -> dict:
     fan = Fan(work, dest, "cs", 1, [], env)
     try:
         drop_caches()
@@ -103,7 +147,7 @@ def fan_pass(work: Path, dest: Path, rels: list[str], env: dict, copy_cached: bo
             read_copy(work / "local-cs")
         vm0 = _vmnoise.snapshot(damon=True)
         cpu0 = cpu_snapshot(fan.pids())
-        r = read_pass(fan.mps[0], rels)
+        r = read_pass(fan.mps[0], rels, readers)
         r["vm"] = _vmnoise.since(vm0)
         r.update(stream_figures(fan, cpu0))
         r["file_huge_mib"] = file_huge_mib()
@@ -132,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--files", type=int, default=2000)
     ap.add_argument("--work", default="/tmp/fanstore-bench-cost")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--readers", type=int, default=1,
+                    help="forked readers, each every K-th file of the order (default 1)")
     ap.add_argument("--ab", action="append", default=[], metavar="KEY=VALUE[,K2=V2]")
     ap.add_argument("--ab-copy", action="store_true",
                     help="also a copy cached pass with each --ab environment")
@@ -149,13 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for rnd in range(args.rounds):
             drop_caches()
-            results["ext4"].append(read_pass(str(src), order))
+            results["ext4"].append(read_pass(str(src), order, args.readers))
             for name, (env, cached) in kinds.items():
-                results[name].append(fan_pass(work, dest, order, env, cached))
+                results[name].append(fan_pass(work, dest, order, env, cached, args.readers))
                 log(f"round {rnd} {name}: {results[name][-1]['files_per_s']:,.0f} files/s")
     finally:
         teardown_all()
-    print(f"\nCOLD START, one reader, {len(order)} files of 90-130 KB in a shuffled order, "
+    who = "one reader" if args.readers == 1 else f"{args.readers} readers"
+    print(f"\nCOLD START, {who}, {len(order)} files of 90-130 KB in a shuffled order, "
           f"fresh mounts (1 rank), {args.rounds} rounds")
     for rnd in range(args.rounds):
         print(f" round {rnd}")
