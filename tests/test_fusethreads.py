@@ -199,19 +199,22 @@ def test_request_threads_run_sched_batch_unless_turned_off(tmp_path, state_dir, 
     that woke it; docs/performance.md, fifteenth session), SCHED_OTHER with FANSTORE_FUSE_BATCH=0;
     the daemon's other threads keep SCHED_OTHER. Files read byte for byte either way."""
     # the /dev/fuse threads' policy (FUSE over io_uring's ring threads have their own)
-    env = {"FANSTORE_FUSE_URING": "0", **({"FANSTORE_FUSE_BATCH": knob} if knob else {})}
+    # two request threads and one woken while readers overlap: all three alike
+    env = {"FANSTORE_FUSE_URING": "0", "FANSTORE_FUSE_OVERLAP_THREADS": "1",
+           **({"FANSTORE_FUSE_BATCH": knob} if knob else {})}
     with _mount(tmp_path, state_dir, "2", env=env) as (m, files):
         _read_and_write(m, files, 2, 1, 6)
         st = m.state()
         assert st is not None and st.pids
         pid = st.pids[0]
         want = 0 if knob == "0" else 3
-        assert _thread_policies(pid, "fanstore-fuse") == [want, want]
+        assert _thread_policies(pid, "fanstore-fuse") == [want, want, want]
         every = _thread_policies(pid, "")  # Python's and the other C threads: SCHED_OTHER
-        assert len(every) > 2 and every.count(3) == (2 if want == 3 else 0), every
+        assert len(every) > 3 and every.count(3) == (3 if want == 3 else 0), every
         assert set(every) <= {0, 3}, every
         c = _shim(m)
-        assert c["c_fuse_batch"] == (0 if knob == "0" else 2), c
+        assert c["c_fuse_threads"] == 2 and c["c_fuse_overlap_threads"] == 1, c
+        assert c["c_fuse_batch"] == (0 if knob == "0" else 3), c
         assert c["c_thread_answered"] >= 2 * len(files), c
 
 
@@ -241,6 +244,40 @@ def test_request_threads_poll_for_the_next_request_unless_turned_off(tmp_path, s
         else:
             assert c["c_fuse_spins"] > 0 and 0 < c["c_fuse_spin_hits"] <= c["c_fuse_spins"], c
         assert c["c_thread_answered"] >= len(files), c
+
+
+@pytest.mark.timeout(180)
+def test_an_extra_thread_reads_only_while_readers_overlap(tmp_path, state_dir):
+    """One request thread by default, and one more (FANSTORE_FUSE_OVERLAP_THREADS, 1) that sleeps
+    on its own eventfd until requests come from two readers within 2 ms of each other, then
+    reads /dev/fuse too until 20 ms pass without that: a single reader never wakes it (a
+    sleeping second reader of /dev/fuse cost one reader ~10% of its warm files/s), 4 readers
+    do. Every byte compared."""
+    env = {"FANSTORE_FUSE_URING": "0"}  # the /dev/fuse threads (rings take the requests)
+    with _mount(tmp_path, state_dir, "", env=env) as (m, files):
+        c = _shim(m)
+        assert c["c_fuse_threads"] == 1 and c["c_fuse_overlap_threads"] == 1, c
+        paths = [m.path / rel for rel in sorted(files)]
+        for _ in range(2):  # one reader: this thread, nothing else on the mount
+            for rel in sorted(files):
+                assert (m.path / rel).read_bytes() == files[rel]
+            drop_page_cache(paths)
+        c = _shim(m)
+        assert c["c_fuse_overlaps"] == 0 and c["c_fuse_overlap_reads"] == 0, c
+        errors: list[str] = []
+        for _ in range(3):  # 4 readers at once; again if the machine ran them one by one
+            drop_page_cache(paths)
+            threads = _readers(m.path, files, 4, 1, errors)
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert not any(t.is_alive() for t in threads) and errors == [], errors
+            c = _shim(m)
+            if c["c_fuse_overlap_reads"] > 0:
+                break
+        assert c["c_fuse_overlaps"] >= 1 and c["c_fuse_overlap_reads"] > 0, c
+        assert "Traceback" not in m.log_text()
 
 
 @pytest.mark.timeout(120)

@@ -165,7 +165,7 @@ static PyMethodDef methods[] = {
     {"fast_counts", fanstore_fast_counts, METH_NOARGS, "fast_counts(): (opens, releases, getattrs, lingered, returns to trio) in C"},
     {"fuse_threads", fanstore_py_fuse_threads, METH_VARARGS, "fuse_threads(n): the next session's requests read by n C threads (0: by pyfuse3; before pyfuse3.init)"},
     {"fuse_uring_counts", fanstore_py_fuse_uring_counts, METH_NOARGS, "fuse_uring_counts(): (io_uring queues live, requests taken from them, replies committed by another thread than the queue's, ring errors)"},
-    {"fuse_thread_counts", fanstore_py_fuse_thread_counts, METH_NOARGS, "fuse_thread_counts(): (threads, answered on them, handed to trio, started SCHED_BATCH, spins, spins that found a request, ns spent spinning)"},
+    {"fuse_thread_counts", fanstore_py_fuse_thread_counts, METH_NOARGS, "fuse_thread_counts(): (threads, answered on them, handed to trio, started SCHED_BATCH, spins, spins that found a request, ns spent spinning, extra threads woken by overlapping readers, overlaps, requests they read)"},
     {"fuse_queued", fanstore_py_fuse_queued, METH_NOARGS, "fuse_queued(): whether a request the threads read waits for pyfuse3"},
     {"linger_trio", fanstore_linger_trio, METH_VARARGS, "linger_trio(epoll_fd, runq): linger while trio has nothing to do"},
     FANSTORE_READDIR_METHODS

@@ -23,6 +23,19 @@
  * squashfuse_ll, too, answered from one of its threads nearly always. A C answer never blocks,
  * so one thread is never busy for long; more only help if that changes.
  *
+ * It does change with concurrent cold readers: their READs (a disk read, a copy, a hash each)
+ * keep one thread busy while the others' requests wait. Two threads always reading took cold 4
+ * readers ~20% further but cost one warm reader ~10-20% (a request then often wakes the thread
+ * asleep in read() instead of the one polling). So FANSTORE_FUSE_OVERLAP_THREADS (default 1,
+ * 0 on one CPU; none with FUSE over io_uring) more threads are started that sleep on their own
+ * eventfd, out of /dev/fuse's wait queue, until two READs come from different senders (the pid
+ * of fuse_in_header: a process or a thread) within OVERLAP_GAP_NS; they then read /dev/fuse as
+ * the others do until OVERLAP_HOLD_NS pass without such a pair (and not while their own remote
+ * calls are in flight). Only READs count: warm readers' OPENs and RELEASEs are quick, and an
+ * extra thread reading them cost 4 warm readers ~6%. Measured in docs/performance.md
+ * (twenty-seventh session); status c_fuse_overlap_threads, c_fuse_overlaps (quiet spells ended),
+ * c_fuse_overlap_reads (requests the extra threads read).
+ *
  * A remote READ's request may be sent by the thread that read it (FANSTORE_CREMOTE_DIRECT,
  * _shim_remote.c), inside MPI_Isend. That call can stay for good: the OFI netmod retries its
  * connection to a dead peer inside MPI_Isend (bind, connect, epoll, again), holding MPICH's
@@ -127,6 +140,20 @@ static int64_t ring_mpi_since[MAX_RINGS]; /* the same, for ring threads that sen
 static __thread int my_ring = -1;      /* a ring thread's queue, when it may call MPI */
 static int rings_seen;                 /* 1 + the highest such queue (atomic) */
 #define SPARE_NS 500000000LL           /* inside MPI this long: another thread reads requests */
+
+/* Threads woken while readers overlap (FANSTORE_FUSE_OVERLAP_THREADS, see thread_main): they
+ * sleep on their own eventfd until a request comes from another process or thread than the one
+ * before it within OVERLAP_GAP_NS, and read /dev/fuse as the others do until OVERLAP_HOLD_NS
+ * pass without such a request. */
+#define OVERLAP_GAP_NS 2000000LL
+#define OVERLAP_HOLD_NS 20000000LL
+static int extra_threads;              /* started after the `wanted` ones, index wanted.. */
+static int park_fds[MAX_THREADS];      /* each extra thread's eventfd */
+static int64_t overlap_until;          /* ns of CLOCK_MONOTONIC (atomic) */
+static uint32_t last_pid;              /* the sender of the last request seen (atomic) */
+static int64_t last_pid_ns;
+static unsigned long long overlap_starts, extra_reads;
+static __thread int my_extra = -1;     /* an extra thread's number, else -1 */
 
 static int64_t now_ns(void) {
     struct timespec ts;
@@ -237,9 +264,52 @@ static int spin_for_request(void) {
     return hit;
 }
 
+/* A READ read: does its sender overlap the last READ's? (Other requests, and the kernel's own,
+ * pid 0, say nothing.) The first overlap after a quiet spell wakes the extra threads. */
+static void note_sender(const char *mem) {
+    uint32_t opcode, pid;
+    memcpy(&opcode, mem + 4, sizeof(opcode)); /* fuse_in_header: len, opcode, unique, nodeid, */
+    memcpy(&pid, mem + 32, sizeof(pid));      /* uid, gid, pid */
+    if (pid == 0 || opcode != 15) /* READs only: warm readers' OPENs and RELEASEs are quick */
+        return;
+    int64_t t = now_ns();
+    uint32_t was_pid = __atomic_exchange_n(&last_pid, pid, __ATOMIC_RELAXED);
+    int64_t was_at = __atomic_exchange_n(&last_pid_ns, t, __ATOMIC_RELAXED);
+    if (was_pid == 0 || was_pid == pid || t - was_at > OVERLAP_GAP_NS)
+        return;
+    if (__atomic_exchange_n(&overlap_until, t + OVERLAP_HOLD_NS, __ATOMIC_ACQ_REL) >= t)
+        return; /* already overlapping: the extras are up */
+    __atomic_add_fetch(&overlap_starts, 1, __ATOMIC_RELAXED);
+    uint64_t v = 1;
+    for (int k = 0; k < extra_threads; k++)
+        (void)!write(park_fds[k], &v, sizeof(v));
+}
+
+static int overlapping(void) {
+    return now_ns() < __atomic_load_n(&overlap_until, __ATOMIC_ACQUIRE);
+}
+
+/* An extra thread with nothing to do: sleeps on its eventfd until readers overlap again.
+ * Returns 1 when it slept (or drained a stale wake-up), 0 when it should read now. */
+static int park(void) {
+    if (overlapping() || fanstore_remote_own_calls() > 0)
+        return 0; /* its own remote calls are answered by its wait below first */
+    uint64_t v;
+    (void)!read(park_fds[my_extra], &v, sizeof(v)); /* non-blocking: a stale wake-up gone */
+    if (overlapping())
+        return 0;
+    struct pollfd p = {.fd = park_fds[my_extra], .events = POLLIN};
+    pthread_setcancelstate(PTHREAD_CANCEL_ENABLE, NULL);
+    (void)poll(&p, 1, -1); /* a cancellation point, as read() below */
+    pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, NULL);
+    return 1;
+}
+
 static void *thread_main(void *arg) {
     my_index = (int)(intptr_t)arg;
     fanstore_c_thread = 1;
+    if (my_index >= wanted && my_index < wanted + extra_threads)
+        my_extra = my_index - wanted;
     int queued = 0; /* requests found waiting at the first look, in a row (QUEUED_STREAK or
                      * more: read without polling) */
     pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, NULL);
@@ -251,6 +321,8 @@ static void *thread_main(void *arg) {
     }
     pthread_cleanup_push(free_buffer, &mem);
     for (;;) {
+        if (my_extra >= 0 && park())
+            continue;
         /* a reader whose request another thread answers (a remote fetch, a READ thread, trio)
          * sends nothing meanwhile: no poll then; nor while requests queue up (found waiting
          * QUEUED_STREAK times in a row, until a read sleeps), where a poll would only add a
@@ -277,6 +349,11 @@ static void *thread_main(void *arg) {
         if (n < 0 || (size_t)n < 40) { /* ENODEV: unmounted; a short read: as libfuse, EIO */
             end_session(n < 0 && errno == ENODEV ? 0 : -(n < 0 ? errno : EIO));
             break;
+        }
+        if (extra_threads > 0) {
+            note_sender(mem);
+            if (my_extra >= 0)
+                __atomic_add_fetch(&extra_reads, 1, __ATOMIC_RELAXED);
         }
         uint32_t opcode;
         memcpy(&opcode, mem + 4, sizeof(opcode)); /* fuse_in_header: len, opcode, ... */
@@ -341,6 +418,7 @@ static int start(struct fuse_session *se, int fd) {
     batch = b == NULL || strcmp(b, "0") != 0;
     const char *sp = getenv("FANSTORE_FUSE_SPIN_US");
     spin_ns = (sp != NULL ? atoll(sp) : SPIN_US_DEFAULT) * 1000LL;
+    int rings = 0;
     if (fanstore_uring_wanted()) {
         /* every libfuse reply through _shim_uring.c's writev (rings or /dev/fuse); the requests
          * the rings take do not come here, so these threads see few and need no poll */
@@ -351,9 +429,24 @@ static int start(struct fuse_session *se, int fd) {
         if (set_io != NULL && set_io(se, &io, fd) == 0) {
             fanstore_uring_setup(fd, bufsize);
             spin_ns = 0;
+            rings = 1;
         }
     }
     ncpus = (int)sysconf(_SC_NPROCESSORS_ONLN);
+    const char *ot = getenv("FANSTORE_FUSE_OVERLAP_THREADS");
+    extra_threads = ot != NULL && *ot != '\0' ? atoi(ot) : (ncpus > 1 ? 1 : 0);
+    if (rings || extra_threads < 0 || wanted <= 0)
+        extra_threads = 0; /* with rings, the requests come from them */
+    if (extra_threads > MAX_THREADS / 2 - wanted)
+        extra_threads = MAX_THREADS / 2 - wanted > 0 ? MAX_THREADS / 2 - wanted : 0;
+    for (int k = 0; k < extra_threads; k++)
+        if ((park_fds[k] = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) < 0) {
+            for (int j = 0; j < k; j++)
+                close(park_fds[j]);
+            extra_threads = 0;
+        }
+    __atomic_store_n(&overlap_until, 0, __ATOMIC_RELEASE);
+    __atomic_store_n(&last_pid, 0, __ATOMIC_RELAXED);
     if (spin_ns > 0 && loadavg_fd < 0)
         loadavg_fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
     end_res = 1;
@@ -361,7 +454,7 @@ static int start(struct fuse_session *se, int fd) {
     stopping = 0;
     memset(mpi_since, 0, sizeof(mpi_since));
     memset(replaced, 0, sizeof(replaced));
-    for (running = 0; running < wanted; running++)
+    for (running = 0; running < wanted + extra_threads; running++)
         if (!spawn(running))
             break;
     pthread_mutex_unlock(&tlock);
@@ -392,6 +485,9 @@ static void stop(void) {
         else if (pthread_timedjoin_np(tids[k], NULL, &until) != 0)
             pthread_detach(tids[k]);
     __atomic_store_n(&running, 0, __ATOMIC_RELEASE);
+    for (int k = 0; k < extra_threads; k++)
+        close(park_fds[k]);
+    extra_threads = 0;
     pthread_mutex_lock(&qlock);
     while (head != NULL) { /* never to be answered: the session goes */
         struct item *it = head;
@@ -547,16 +643,20 @@ PyObject *fanstore_py_fuse_threads(PyObject *self, PyObject *args) {
 unsigned long long fanstore_threads_spares(void) { return __atomic_load_n(&spares, __ATOMIC_RELAXED); }
 
 /* fuse_thread_counts(): (threads running, requests answered on them, handed to trio, threads
- * started SCHED_BATCH, spins before a read, spins that found a request, ns spent in spins) */
+ * started SCHED_BATCH, spins before a read, spins that found a request, ns spent in spins,
+ * extra threads, times readers began to overlap, requests the extra threads read) */
 PyObject *fanstore_py_fuse_thread_counts(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
-    return Py_BuildValue("(iKKKKKK)", running, __atomic_load_n(&answered, __ATOMIC_RELAXED),
+    return Py_BuildValue("(iKKKKKKiKK)", running - extra_threads,
+                         __atomic_load_n(&answered, __ATOMIC_RELAXED),
                          __atomic_load_n(&handed, __ATOMIC_RELAXED),
                          __atomic_load_n(&batched, __ATOMIC_RELAXED),
                          __atomic_load_n(&spins, __ATOMIC_RELAXED),
                          __atomic_load_n(&spin_hits, __ATOMIC_RELAXED),
-                         __atomic_load_n(&spin_ns_total, __ATOMIC_RELAXED));
+                         __atomic_load_n(&spin_ns_total, __ATOMIC_RELAXED), extra_threads,
+                         __atomic_load_n(&overlap_starts, __ATOMIC_RELAXED),
+                         __atomic_load_n(&extra_reads, __ATOMIC_RELAXED));
 }
 
 /* fuse_queued(): whether a request waits in the queue for pyfuse3 (_fusequeue.waiting). */
