@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.mount, pytest.mark.mpi]
 JOB = REPO / "scripts" / "slurm" / "job.sbatch"
 CHECK = Path(__file__).resolve().parent / "_check_tree.py"
 EPOCHS = Path(__file__).resolve().parent / "_two_epochs.py"
+FOUR = Path(__file__).resolve().parent / "_four_readers.py"
 
 
 def _dataset(shared_dir: Path) -> tuple[Path, Path]:
@@ -93,6 +94,28 @@ def test_second_epoch_reads_remote_blobs_from_each_nodes_disk_cache(slurm_cluste
     # port: _shim_remote_tbell.c), which took the reply itself
     assert sum(int(ln.split("requesting thread ")[1].split(",")[0]) for ln in firsts) > 0, firsts
     assert sum(int(ln.split("requester threads rung ")[1].split(";")[0]) for ln in firsts) > 0, firsts
+    _nothing_left(c, res.job_id)
+
+
+@pytest.mark.timeout(300)
+def test_four_readers_per_node_wake_the_extra_request_thread(slurm_cluster, shared_dir):
+    """4 reader threads on every node, each reading the whole tree in its own order, byte for
+    byte: the extra request thread (FANSTORE_FUSE_OVERLAP_THREADS, default 1) wakes for their
+    overlapping READs and serves some of them, remote ones included, across nodes."""
+    c = slurm_cluster
+    src, dest = _dataset(shared_dir)
+    train = f"{sys.executable} {FOUR} {src}"
+    res = c.submit(JOB, f"--nodes={c.nodes}", f"--chdir={shared_dir}",
+                   f"--export=ALL,DATASET={dest},TRAIN={train},FANSTORE_FUSE_URING=0",
+                   env=job_env(c), timeout=240)
+    print(res)
+    assert (res.state, res.exit_code) == ("COMPLETED", 0), str(res)
+    lines = sorted(ln for ln in res.output.splitlines() if ": 4 readers: " in ln)
+    assert [ln.split(":")[0] for ln in lines] == [f"n{k}" for k in range(c.nodes)], res.output
+    for ln in lines:
+        assert "errors 0 " in ln and "overlap threads 1," in ln, ln
+    assert sum(int(ln.split("requests they read ")[1].split(";")[0]) for ln in lines) > 0, lines
+    assert sum(int(ln.split("C remote READs ")[1]) for ln in lines) > 0, lines
     _nothing_left(c, res.job_id)
 
 
