@@ -180,6 +180,7 @@ def test_large_remote_reads_in_c(tmp_path, mount_factory, mode):
     if mode in ("chunks", "damaged"):  # one chunk ahead: with the default 3, every remote chunk
         env["FANSTORE_CREMOTE_AHEAD"] = "1"  # of this 3-chunk file is cached before the random READs
         env["FANSTORE_READAHEAD_CHUNKS"] = "0"  # (Python's read-ahead would fetch them into it too)
+        env["FANSTORE_CREMOTE_AHEAD_SPAN"] = "1"  # (the next position only, not the next remote one)
     m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=2,
                       local=str(tmp_path / "local" / "{rank}"), env=env)
     if damaged:

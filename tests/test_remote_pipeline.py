@@ -141,6 +141,41 @@ def test_pipelined_reads_match_the_source(tmp_path, mount_factory, mode):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("span", ["4", "1"])
+def test_remote_chunks_after_local_ones_travel_ahead(tmp_path, mount_factory, span):
+    """A reader of the remote chunks alone, in order (as bench._cluster_bw's remote pass, or a
+    reader between two remote chunks reading local ones): with one chunk fetched ahead
+    (`FANSTORE_CREMOTE_AHEAD=1`), the next remote chunk up to 4 positions on travels while the
+    reader reads one (the default look-ahead span); with `FANSTORE_CREMOTE_AHEAD_SPAN=1` (the
+    look-ahead before the twenty-eighth session) only a remote chunk right after the one being
+    read does. Every byte against the source."""
+    src, data = _tree(tmp_path)
+    dest = prep_cli(src, tmp_path / "dest", "--chunk-mib", "4", "-p", "3")
+    _, remote = _remote_blobs(dest)
+    gaps = [b - a for a, b in zip(remote, remote[1:])]
+    near, next_door = sum(g <= 4 for g in gaps), sum(g == 1 for g in gaps)
+    assert next_door < near, (remote, "the tree must have a remote chunk 2-4 after another")
+    env = {"FANSTORE_CACHE_SIZE": "0", "FANSTORE_CREMOTE_AHEAD": "1",
+           "FANSTORE_CREMOTE_AHEAD_SPAN": span}
+    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=2,
+                      local=str(tmp_path / "local" / "{rank}"), env=env)
+    _wait_ready(m)
+    fd = os.open(os.path.join(m.mountpoints[0], "big.bin"), os.O_RDONLY | os.O_DIRECT)
+    try:
+        for k in remote:
+            for off in range(k * 4 * MiB, min((k + 1) * 4 * MiB, len(data)), MiB):
+                assert os.pread(fd, MiB, off) == data[off:off + MiB], off
+    finally:
+        os.close(fd)
+    c0 = status_ranks(m.status())[0]["c_remote"]
+    assert c0["corrupt"] == c0["timeouts"] == c0["c_read_fallbacks"] == 0, c0
+    if span == "4":
+        assert c0["c_fetch_ahead"] >= near, (c0["c_fetch_ahead"], remote)
+    else:
+        assert c0["c_fetch_ahead"] <= next_door, (c0["c_fetch_ahead"], remote)
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("knob", ["1", "0"])
 def test_a_corrupt_partition_byte_gives_eio_not_bad_bytes(tmp_path, mount_factory, knob):
     """One remote chunk damaged in rank 1's copy AND in DEST: rank 0's C client refuses the

@@ -41,6 +41,7 @@
 #define CHUNK_MAX (16u << 20) /* larger blobs never go in a slot (8 x 16 MiB at most) */
 #define SEQ_SLOTS 64 /* files whose last READ's end is remembered (hashed by inode) */
 #define AHEAD 3      /* the file's next chunks fetched ahead of a sequential reader */
+#define AHEAD_SPAN 4 /* looked at: up to AHEAD_SPAN x ahead chunks past the READ's */
 
 typedef void (*read_op_t)(fuse_req_t, fuse_ino_t, size_t, off_t, struct fuse_file_info *);
 typedef int (*reply_buf_t)(fuse_req_t, const char *, size_t);
@@ -54,6 +55,7 @@ static const uint64_t *cache_loc; /* DiskCache's index, or NULL */
 static double timeout;
 static int reading, chunks = 1; /* chunks: FANSTORE_CREMOTE_CHUNKS=0 turns the chunk cache off */
 static int ahead = AHEAD;       /* FANSTORE_CREMOTE_AHEAD: chunks fetched ahead (0: none) */
+static uint64_t span = AHEAD_SPAN; /* FANSTORE_CREMOTE_AHEAD_SPAN: 1, the next `ahead` only */
 
 enum { WHOLE, RANGE, CHUNK }; /* how a READ is answered (the header comment) */
 
@@ -337,13 +339,22 @@ static int ahead_one(uint64_t b, const uint16_t *own) {
 }
 
 /* The file's next `ahead` chunks held elsewhere fetched ahead, so that several chunks travel
- * while the reader reads one. */
+ * while the reader reads one. Chunks held here (or in the disk cache) are skipped, not
+ * counted, up to AHEAD_SPAN * `ahead` chunks past the READ's: a reader that reads the local
+ * chunks between two remote ones (or skips them) finds the next remote one travelling already.
+ * Before the twenty-eighth session only the next `ahead` positions were looked at, so a remote
+ * chunk after `ahead` local ones was fetched only when its first READ came (docs/performance.md,
+ * twenty-eighth session). */
 static void fetch_ahead(const struct rread *r) {
     const uint16_t *own = __atomic_load_n(&owner, __ATOMIC_ACQUIRE);
-    uint64_t j = r->ino - 1, k0 = r->off / fanstore_blobs.chunk_size;
-    for (uint64_t k = k0 + 1; k <= k0 + (uint64_t)ahead && k < fanstore_ds.count[j]; k++)
-        if (ahead_one(fanstore_ds.first[j] + k, own) < 0)
+    uint64_t j = r->ino - 1, k0 = r->off / fanstore_blobs.chunk_size, end = k0 + (uint64_t)ahead * span;
+    int found = 0;
+    for (uint64_t k = k0 + 1; found < ahead && k <= end && k < fanstore_ds.count[j]; k++) {
+        int got = ahead_one(fanstore_ds.first[j] + k, own);
+        if (got < 0)
             return;
+        found += got == AHEAD_HAS;
+    }
 }
 
 /* CHUNK: answered from its slot, queued on it, or a new fetch; 0 when no slot was free. */
@@ -482,6 +493,8 @@ PyObject *fanstore_py_remote_read_start(PyObject *self, PyObject *args) {
     chunks = knob == NULL || strcmp(knob, "0") != 0;
     knob = getenv("FANSTORE_CREMOTE_AHEAD");
     ahead = knob == NULL ? AHEAD : atoi(knob) < 0 ? 0 : atoi(knob) > SLOTS / 2 ? SLOTS / 2 : atoi(knob);
+    knob = getenv("FANSTORE_CREMOTE_AHEAD_SPAN");
+    span = knob == NULL || atoi(knob) < 1 ? AHEAD_SPAN : (uint64_t)atoi(knob);
     Py_INCREF(fb);
     fallback = fb;
     timeout = t;
