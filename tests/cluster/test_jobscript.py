@@ -42,6 +42,21 @@ def _nothing_left(c, job: int) -> None:
         assert stale == [], f"n{k}: mount state left: {stale}"
 
 
+def _train_on_every_node(c, shared_dir: Path, script: Path, export: str, marker: str):
+    """job.sbatch with `script SRC` as the training step on every node; the job and the one
+    line per node that holds `marker`, in node order (asserted: one from each node)."""
+    src, dest = _dataset(shared_dir)
+    train = f"{sys.executable} {script} {src}"
+    res = c.submit(JOB, f"--nodes={c.nodes}", f"--chdir={shared_dir}",
+                   f"--export=ALL,DATASET={dest},TRAIN={train}{export}",
+                   env=job_env(c), timeout=240)
+    print(res)
+    assert (res.state, res.exit_code) == ("COMPLETED", 0), str(res)
+    lines = sorted(ln for ln in res.output.splitlines() if marker in ln)
+    assert [ln.split(":")[0] for ln in lines] == [f"n{k}" for k in range(c.nodes)], res.output
+    return res, lines
+
+
 @pytest.mark.timeout(300)
 def test_job_script_mounts_on_every_node_and_leaves_nothing(slurm_cluster, shared_dir):
     c = slurm_cluster
@@ -68,15 +83,7 @@ def test_second_epoch_reads_remote_blobs_from_each_nodes_disk_cache(slurm_cluste
     source): the second fetches nothing from other nodes, the disk cache answers, the bytes are
     the source's, and the cache goes with the job."""
     c = slurm_cluster
-    src, dest = _dataset(shared_dir)
-    train = f"{sys.executable} {EPOCHS} {src}"
-    res = c.submit(JOB, f"--nodes={c.nodes}", f"--chdir={shared_dir}",
-                   f"--export=ALL,DATASET={dest},TRAIN={train},FANSTORE_CACHE_BYTES=1",
-                   env=job_env(c), timeout=240)
-    print(res)
-    assert (res.state, res.exit_code) == ("COMPLETED", 0), str(res)
-    lines = sorted(ln for ln in res.output.splitlines() if ": epoch 2: " in ln)
-    assert [ln.split(":")[0] for ln in lines] == [f"n{k}" for k in range(c.nodes)], res.output
+    res, lines = _train_on_every_node(c, shared_dir, EPOCHS, ",FANSTORE_CACHE_BYTES=1", ": epoch 2: ")
     for ln in lines:
         fetched = int(ln.split("fetched from other nodes ")[1].split(";")[0])
         hits = int(ln.split("disk cache hits ")[1].split(";")[0])
@@ -103,15 +110,7 @@ def test_four_readers_per_node_wake_the_extra_request_thread(slurm_cluster, shar
     byte: the extra request thread (FANSTORE_FUSE_OVERLAP_THREADS, default 1) wakes for their
     overlapping READs and serves some of them, remote ones included, across nodes."""
     c = slurm_cluster
-    src, dest = _dataset(shared_dir)
-    train = f"{sys.executable} {FOUR} {src}"
-    res = c.submit(JOB, f"--nodes={c.nodes}", f"--chdir={shared_dir}",
-                   f"--export=ALL,DATASET={dest},TRAIN={train},FANSTORE_FUSE_URING=0",
-                   env=job_env(c), timeout=240)
-    print(res)
-    assert (res.state, res.exit_code) == ("COMPLETED", 0), str(res)
-    lines = sorted(ln for ln in res.output.splitlines() if ": 4 readers: " in ln)
-    assert [ln.split(":")[0] for ln in lines] == [f"n{k}" for k in range(c.nodes)], res.output
+    res, lines = _train_on_every_node(c, shared_dir, FOUR, ",FANSTORE_FUSE_URING=0", ": 4 readers: ")
     for ln in lines:
         assert "errors 0 " in ln and "overlap threads 1," in ln, ln
     assert sum(int(ln.split("requests they read ")[1].split(";")[0]) for ln in lines) > 0, lines
