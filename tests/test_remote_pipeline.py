@@ -175,6 +175,54 @@ def test_remote_chunks_after_local_ones_travel_ahead(tmp_path, mount_factory, sp
         assert c0["c_fetch_ahead"] <= next_door, (c0["c_fetch_ahead"], remote)
 
 
+def _thp_mode() -> str:
+    """The kernel's transparent huge page mode (always, madvise or never; "" without THP)."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return ""
+    return text[text.index("[") + 1:text.index("]")] if "[" in text else ""
+
+
+def _anon_huge_kib(pid: int) -> int:
+    """AnonHugePages of a process (smaps_rollup), KiB."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("knob", ["", "0"])
+def test_remote_chunks_are_received_into_huge_pages(tmp_path, mount_factory, knob):
+    """A 4 MiB reply is received into a block of fanstore_data_alloc: 2 MiB aligned and advised
+    MADV_HUGEPAGE, so that its first writes fault 2 MiB at a time (`c_data_huge`; the daemon's
+    AnonHugePages grows); `FANSTORE_DATA_HUGE=0`: 4 KiB pages as before. Bytes compared."""
+    mode = _thp_mode()
+    src, data = _tree(tmp_path)
+    dest = prep_cli(src, tmp_path / "dest", "--chunk-mib", "4", "-p", "3")
+    _, remote = _remote_blobs(dest)
+    env = {"FANSTORE_CACHE_SIZE": "0"} | ({"FANSTORE_DATA_HUGE": knob} if knob else {})
+    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=2,
+                      local=str(tmp_path / "local" / "{rank}"), env=env)
+    _wait_ready(m)
+    pid0 = m.state().pids[0]  # rank 0's daemon (the state lists this host's ranks in order)
+    huge_before = _anon_huge_kib(pid0)
+    path = os.path.join(m.mountpoints[0], "big.bin")
+    got = b"".join(b for _, b in _sequential(path, len(data)))
+    assert got == data
+    r0 = status_ranks(m.status())[0]
+    c, shim = r0["c_remote"], r0["fuse_shim"]
+    assert c["corrupt"] == c["timeouts"] == c["c_read_fallbacks"] == 0, c
+    assert c["c_fetch_ahead"] + c["c_chunk_hits"] > 0 and shim["c_data_fresh"] > 0, (c, shim)
+    if knob == "0" or mode in ("", "never"):
+        assert shim["c_data_huge"] == 0, shim
+    else:
+        assert shim["c_data_huge"] == shim["c_data_fresh"], shim
+        # the pool keeps up to 8 received blocks mapped: some of them backed by huge pages
+        assert _anon_huge_kib(pid0) - huge_before >= 2048, (huge_before, _anon_huge_kib(pid0))
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("knob", ["1", "0"])
 def test_a_corrupt_partition_byte_gives_eio_not_bad_bytes(tmp_path, mount_factory, knob):

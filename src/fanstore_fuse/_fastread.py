@@ -147,7 +147,9 @@ def counts() -> dict[str, int]:
     `c_mapread_reads` / `c_mapread_bytes`: large READs of raw frames answered from a mapping of
     the local copy (_shim_mapread.c); `c_direct_reads` / `c_direct_bytes`: cold small blobs read
     with O_DIRECT, `c_direct_gated`: nowait reads of them refused by the residency check
-    without starting any I/O (_shim_blobs.c)."""
+    without starting any I/O (_shim_blobs.c); `c_data_fresh` / `c_data_huge` / `c_data_pooled`:
+    blocks of 1 MiB or more for blob bytes allocated afresh, of them advised MADV_HUGEPAGE, and
+    taken again from the pool (_shim_frames.c)."""
     shim = _fastclose._shim
     if shim is None or not hasattr(shim, "read_counts"):
         return {}
@@ -160,6 +162,9 @@ def counts() -> dict[str, int]:
         out.update(zip(STREAM_COUNTS, map(int, shim.stream_counts())))
     if hasattr(shim, "mapread_counts"):
         out.update(zip(("c_mapread_reads", "c_mapread_bytes"), map(int, shim.mapread_counts())))
+    if hasattr(shim, "data_counts"):
+        out.update(zip(("c_data_fresh", "c_data_huge", "c_data_pooled"),
+                       map(int, shim.data_counts())))
     if hasattr(shim, "direct_counts"):
         out.update(zip(("c_direct_reads", "c_direct_bytes", "c_direct_gated"),
                        map(int, shim.direct_counts())))

@@ -175,6 +175,7 @@ static PyMethodDef methods[] = {
     {"read_start", fanstore_py_read_start, METH_O, "read_start(fallback): answer READs in C from now on; fallback(fh, off, size) -> bytes | errno on errors"},
     {"read_counts", fanstore_py_read_counts, METH_NOARGS, "read_counts(): (reads, bytes, inline, fallbacks) in C"},
     {"mapread_counts", fanstore_py_mapread_counts, METH_NOARGS, "mapread_counts(): (READs, bytes) answered from a mapping of the local copies"},
+    {"data_counts", fanstore_py_data_counts, METH_NOARGS, "data_counts(): (large blocks allocated afresh, of them advised MADV_HUGEPAGE, taken from the pool)"},
     {"direct_counts", fanstore_py_direct_counts, METH_NOARGS, "direct_counts(): (reads, bytes) of cold small blobs read with O_DIRECT, nowait reads refused by the residency gate"},
     {"stream_counts", fanstore_py_stream_counts, METH_NOARGS, "stream_counts(): (streams, refused, windows, bytes, ns, cold blobs seen, disk-cache segments streamed, skipped) of local copies and cache segments read into the page cache"},
     FANSTORE_CACHE_METHODS

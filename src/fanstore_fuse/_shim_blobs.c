@@ -231,6 +231,14 @@ PyObject *fanstore_py_direct_counts(PyObject *self, PyObject *unused) {
                          __atomic_load_n(&gated_again, __ATOMIC_RELAXED));
 }
 
+PyObject *fanstore_py_data_counts(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    unsigned long long c[3];
+    fanstore_data_counts(c);
+    return Py_BuildValue("(KKK)", c[0], c[1], c[2]);
+}
+
 int fanstore_blob_pread(uint64_t blob, uint64_t rel, size_t n, void *buf, int nowait) {
     int fd;
     int64_t at = where(blob, &fd);

@@ -191,15 +191,18 @@ struct fanstore_scratch {
 };
 void fanstore_scratch_free(struct fanstore_scratch *s);
 
-/* `n` bytes (at least 1) on a 64-byte boundary, for blob bytes; free() them. Prep puts blob data
- * on 64-byte boundaries too (`_format.DATA_ALIGN`): on AMD EPYC a `rep movsb` copy (glibc's
- * memcpy of 2 KiB..~1 MiB, every kernel copy to or from user memory) whose destination lies
- * 8..24 bytes past its source modulo 4096 runs at a third of the speed; two 64-aligned
- * addresses are never that close (`python -m bench.copy_align`, docs/performance.md). */
+/* `n` bytes (at least 1) on a 64-byte boundary (1 MiB or more: 2 MiB, advised MADV_HUGEPAGE),
+ * for blob bytes; free() them. Prep puts blob data on 64-byte boundaries too
+ * (`_format.DATA_ALIGN`): on AMD EPYC a `rep movsb` copy (glibc's memcpy of 2 KiB..~1 MiB, every
+ * kernel copy to or from user memory) whose destination lies 8..24 bytes past its source modulo
+ * 4096 runs at a third of the speed; two 64-aligned addresses are never that close
+ * (`python -m bench.copy_align`, docs/performance.md). */
 void *fanstore_data_alloc(size_t n);
 /* Lets go of a block from fanstore_data_alloc (or malloc): large 64-aligned ones are kept for
  * the next fanstore_data_alloc (a few), others freed. */
 void fanstore_data_free(void *p);
+/* (large blocks allocated afresh, of them advised MADV_HUGEPAGE, taken from the pool) */
+void fanstore_data_counts(unsigned long long out[3]);
 void fanstore_scratch_release(struct fanstore_scratch *s); /* the frame reference, if any */
 
 /* Raw bytes lo..hi (hi <= raw[blob]) of `blob`, held here, verified: a framed blob reads only

@@ -92,6 +92,7 @@ PyObject *fanstore_py_read_counts(PyObject *self, PyObject *unused);
 PyObject *fanstore_py_stream_counts(PyObject *self, PyObject *unused);
 PyObject *fanstore_py_mapread_counts(PyObject *self, PyObject *unused); /* _shim_mapread.c */
 PyObject *fanstore_py_direct_counts(PyObject *self, PyObject *unused); /* _shim_blobs.c */
+PyObject *fanstore_py_data_counts(PyObject *self, PyObject *unused); /* _shim_blobs.c */
 PyObject *fanstore_py_fuse_threads(PyObject *self, PyObject *args);        /* _shim_threads.c */
 PyObject *fanstore_py_fuse_thread_counts(PyObject *self, PyObject *unused);
 PyObject *fanstore_py_fuse_queued(PyObject *self, PyObject *unused);
