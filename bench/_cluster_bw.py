@@ -7,7 +7,11 @@ Starts a 2-node cluster (scripts/minicluster/) and runs one batch job on it:
 1. raw MPI between the nodes: ``bench/_mpi_bw.py`` under ``srun -N2 --mpi=pmi2``, 4 MiB messages
    (stream and request/response ping-pong), once with the transport the mount uses (the
    minicluster's job environment: OFI netmod over TCP) and once with UCX over TCP;
-2. ``fanstore-fuse mount`` of a prepped dataset of two incompressible files (job-script mode,
+2. the daemon's transport without FUSE, as ``make bench-quick`` measures it on shared memory:
+   ``bench/_transport_bw.py`` under ``srun -N2`` over the same prepped dataset (its own raw
+   mpi4py stream first, then 4 MiB blobs held by rank 1 fetched by rank 0, 4 in flight, through
+   Python's blob source and as READs in C fetch them);
+3. ``fanstore-fuse mount`` of a prepped dataset of two incompressible files (job-script mode,
    ``--replicas 1``), then on n1 (rank 1), each cold: the 4 MiB chunks of file ``a`` that rank 0
    holds, read alone ("remote": every byte comes over MPI), and all of file ``b`` ("whole":
    local and remote chunks, as a reader sees it). The rank's ``remote_bytes`` counter checks
@@ -20,12 +24,14 @@ Starts a 2-node cluster (scripts/minicluster/) and runs one batch job on it:
    non-Python thread (numpy's OpenBLAS pool, started at import) that took 42-54 ms of CPU
    during the remote pass, which starts right after the imports.
 
+``summary``: every path's MB/s over the best raw MPI figure of the job (``over_raw``).
 Prints one JSON object. The machine is shared: compare figures of one run, not across runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -46,6 +52,8 @@ srun -N2 --ntasks-per-node=1 --mpi=pmi2 python bench/_mpi_bw.py --total-mb 256 -
   --pingpong-iters 16 > {out}/mpi_ofi.json
 MPIR_CVAR_CH4_NETMOD=ucx srun -N2 --ntasks-per-node=1 --mpi=pmi2 python bench/_mpi_bw.py \\
   --total-mb 256 --sizes-kib 4096 --pingpong-iters 16 > {out}/mpi_ucx.json
+srun -N2 --ntasks-per-node=1 --mpi=pmi2 python -m bench._transport_bw {dest} --small 200 \
+  > {out}/transport.json
 MNT=/tmp/fsbw-$SLURM_JOB_ID
 srun --ntasks-per-node=1 mkdir -p $MNT
 fanstore-fuse mount {dest} $MNT --local /tmp/fsbw-local-$SLURM_JOB_ID --replicas 1 || exit 1
@@ -199,6 +207,33 @@ def _report_head(path: Path, rows: int = 40) -> list[str]:
     return [ln for ln in lines if ln.strip() and not ln.startswith("#")][:rows]
 
 
+def summarize(out: dict) -> dict:
+    """MB/s of each remote path beside raw MPI of the same transport, as ratios. The anchor is
+    the best raw figure of the job: `_mpi_bw`'s stream and probed receives, and the raw stream
+    `_transport_bw` measures in its own ranks just before its fetches."""
+    raw: dict[str, float] = {}
+    for key in ("stream", "probed"):
+        with contextlib.suppress(KeyError, TypeError):
+            raw[f"mpi_bw_{key}"] = out["mpi_ofi"][key]["4096"]["MB_per_s"]
+    t = out.get("transport") or {}
+    if "raw_stream_MB_per_s" in t:
+        raw["transport_bw_stream"] = t["raw_stream_MB_per_s"]
+    if not raw:
+        return {}
+    anchor = max(raw.values())
+    paths: dict[str, float] = {}
+    for key, name in (("c_large", "transport_c_reads"), ("large", "transport_python")):
+        if isinstance(t.get(key), dict) and "MB_per_s" in t[key]:
+            paths[name] = t[key]["MB_per_s"]
+    r = out.get("read") or {}
+    for key in ("remote", "whole", "local"):
+        if isinstance(r.get(key), dict):
+            paths[f"fuse_{key}"] = r[key]["MB_per_s"]
+    return {"raw_MB_per_s": {k: round(v) for k, v in raw.items()}, "anchor_MB_per_s": round(anchor),
+            "MB_per_s": {k: round(v) for k, v in paths.items()},
+            "over_raw": {k: round(v / anchor, 2) for k, v in paths.items()}}
+
+
 def run(size_mib: int, root: str, perf: str | None = None) -> dict:
     sys.path.insert(0, str(REPO / "scripts" / "minicluster"))
     sys.path.insert(0, str(REPO / "tests"))
@@ -225,12 +260,13 @@ def run(size_mib: int, root: str, perf: str | None = None) -> dict:
         res = c.submit(script, "-N2", f"--chdir={work}", env=env, timeout=900)
         out: dict = {"job": f"{res.state} exit {res.exit_code}", "file_MiB": size_mib,
                      "load": os.getloadavg()}
-        for name in ("mpi_ofi", "mpi_ucx", "read"):
+        for name in ("mpi_ofi", "mpi_ucx", "transport", "read"):
             p = work / f"{name}.json"
             try:
                 out[name] = json.loads(p.read_text())
             except (OSError, ValueError):
                 out[name] = None
+        out["summary"] = summarize(out)
         if perf:
             os.makedirs(perf, exist_ok=True)
             for p in work.glob("perf-*"):
