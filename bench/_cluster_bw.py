@@ -231,7 +231,29 @@ def summarize(out: dict) -> dict:
             paths[f"fuse_{key}"] = r[key]["MB_per_s"]
     return {"raw_MB_per_s": {k: round(v) for k, v in raw.items()}, "anchor_MB_per_s": round(anchor),
             "MB_per_s": {k: round(v) for k, v in paths.items()},
-            "over_raw": {k: round(v / anchor, 2) for k, v in paths.items()}}
+            "over_raw": {k: round(v / anchor, 2) for k, v in paths.items()},
+            "cores_model": {key: _cores_model(r[key], anchor) for key in ("remote", "whole")
+                            if isinstance(r.get(key), dict)}}
+
+
+def _cores_model(read: dict, anchor: float) -> dict:
+    """The read's MB/s were each node to have K cores of its own, from the CPU seconds its threads
+    took here (schedstat: on the reading node every thread, reader included; on rank 0's node its
+    daemon's threads): a node needs max(its busiest thread, its sum / K) seconds, and the read
+    takes as long as the slower node. Both nodes share this machine's 2 vCPUs, so the measured
+    MB/s is bound by the sum over both nodes; this says what the same work gives on real nodes."""
+    reader = list(read.get("cpu_s_by_thread_on_this_node", {}).values())
+    server = [v for k, v in read.get("counters", {}).get("0", {}).items()
+              if k.startswith("cpu_s_by_thread.")]
+    if not reader or not server:
+        return {}
+    out: dict = {"node_cpu_s": {"reading": round(sum(reader), 4), "serving": round(sum(server), 4)},
+                 "busiest_thread_s": {"reading": max(reader), "serving": max(server)}}
+    for k in (2, 4, 8):
+        need = max(max(reader), max(server), sum(reader) / k, sum(server) / k)
+        mbps = read["bytes"] / need / 1e6
+        out[f"{k}_cores"] = {"MB_per_s": round(mbps), "over_raw": round(mbps / anchor, 2)}
+    return out
 
 
 def run(size_mib: int, root: str, perf: str | None = None) -> dict:
