@@ -218,7 +218,7 @@ def test_remote_chunks_are_received_into_huge_pages(tmp_path, mount_factory, kno
     if knob == "0" or mode in ("", "never"):
         assert shim["c_data_huge"] == 0, shim
     else:
-        assert shim["c_data_huge"] == shim["c_data_fresh"], shim
+        assert 0 < shim["c_data_huge"] <= shim["c_data_fresh"], shim  # (1-2 MiB blocks: not)
         # the pool keeps up to 8 received blocks mapped: some of them backed by huge pages
         assert _anon_huge_kib(pid0) - huge_before >= 2048, (huge_before, _anon_huge_kib(pid0))
 

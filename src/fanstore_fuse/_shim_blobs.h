@@ -191,7 +191,7 @@ struct fanstore_scratch {
 };
 void fanstore_scratch_free(struct fanstore_scratch *s);
 
-/* `n` bytes (at least 1) on a 64-byte boundary (1 MiB or more: 2 MiB, advised MADV_HUGEPAGE),
+/* `n` bytes (at least 1) on a 64-byte boundary (2 MiB or more: 2 MiB, advised MADV_HUGEPAGE),
  * for blob bytes; free() them. Prep puts blob data on 64-byte boundaries too
  * (`_format.DATA_ALIGN`): on AMD EPYC a `rep movsb` copy (glibc's memcpy of 2 KiB..~1 MiB, every
  * kernel copy to or from user memory) whose destination lies 8..24 bytes past its source modulo

@@ -291,12 +291,12 @@ static int slots(void) {
     return n;
 }
 
-/* A new large block is 2 MiB aligned and advised MADV_HUGEPAGE (THP in "madvise" mode, as on
- * these VMs): its first writes then fault 2 MiB at a time instead of 4 KiB. On a fresh mount
- * every 4 MiB reply the remote thread receives lands in such a block until the pool holds
- * POOL_SLOTS of them: 1,024 faults of 4 KiB each were 39% of the remote thread's samples over
- * the first 100 MB read on the Slurm cluster (`perf`, twenty-ninth session). FANSTORE_DATA_HUGE=0
- * turns it off, for A/B. */
+/* A new block of 2 MiB or more is 2 MiB aligned and its whole 2 MiB pages advised MADV_HUGEPAGE
+ * (THP in "madvise" mode, as on these VMs): its first writes then fault 2 MiB at a time instead
+ * of 4 KiB. On a fresh mount every 4 MiB reply the remote thread receives lands in such a block
+ * until the pool holds POOL_SLOTS of them: 1,024 faults of 4 KiB each were 39% of the remote
+ * thread's samples over the first 100 MB read on the Slurm cluster (`perf`, twenty-ninth
+ * session). FANSTORE_DATA_HUGE=0 turns it off, for A/B. */
 #define HUGE_PAGE (2u << 20)
 static int huge_knob = -1;
 static unsigned long long data_fresh, data_huge, data_pooled; /* data_counts() */
@@ -329,7 +329,7 @@ void *fanstore_data_alloc(size_t n) {
         __atomic_add_fetch(&data_fresh, 1, __ATOMIC_RELAXED);
     }
     void *p = NULL;
-    if (n >= POOL_MIN && huge_blocks()) {
+    if (n >= HUGE_PAGE && huge_blocks()) {
         if (posix_memalign(&p, HUGE_PAGE, n) != 0)
             return NULL;
         if (madvise(p, n & ~(size_t)(HUGE_PAGE - 1), MADV_HUGEPAGE) == 0) /* EINVAL: no THP */
