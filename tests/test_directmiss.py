@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,48 @@ def test_a_damaged_copy_read_directly_gives_eio_never_bad_bytes(tmp_path, state_
         for rel in files:
             if rel not in bad:
                 assert _read(m.path / rel) == files[rel], rel
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.mpi
+@pytest.mark.parametrize("knob", ["", "0"])
+def test_cold_disk_cache_entries_are_read_around_the_page_cache(tmp_path, state_dir, knob):
+    """Epoch 2 of a 2-rank mount, the stream off: rank 0 reads the blobs rank 1 holds from its
+    disk cache of remote blobs (`_shim_cache.c`). With the cache's segments evicted, a cold
+    entry is refused to the nowait read without any I/O (`c_cache_gated`) and read with O_DIRECT
+    (`c_cache_direct`): every file byte for byte, and not one page of the segments in the page
+    cache after. FANSTORE_CACHE_DIRECT=0: buffered reads, which leave the segments' pages."""
+    files = _tree(tmp_path / "src", seed=13)
+    dest = prep_cli(tmp_path / "src", tmp_path / "dest", "-p", "4")
+    local = tmp_path / "local"
+    env = {"FANSTORE_CACHE_BYTES": str(1 << 20), "FANSTORE_STREAM_IN": "0"}
+    if knob:
+        env["FANSTORE_CACHE_DIRECT"] = knob
+    with mounted(dest, str(tmp_path / "mnt" / "{rank}"), state_dir, ranks=2,
+                 local=str(local / "{rank}"), env=env) as m:
+        root = Path(m.mountpoints[0])
+        for rel, body in files.items():  # epoch 1: rank 1's blobs fetched, cached on rank 0
+            assert _read(root / rel) == body, rel
+        deadline = time.monotonic() + 30
+        while (dc := status_ranks(m.status())[0]["disk_cache"])["entries"] < dc["misses"] or \
+                not dc["entries"]:
+            assert time.monotonic() < deadline, dc
+            time.sleep(0.05)
+        segments = sorted((local / "0" / "cache").glob("seg-*.fsc"))
+        assert segments, list((local / "0").rglob("*"))
+        os.sync()  # written entries are dirty pages, which eviction cannot drop
+        _evict(staged_copies(local / "0") + segments)
+        before = _shim(m)
+        for rel, body in sorted(files.items(), reverse=True):
+            assert _read(root / rel) == body, rel
+        c = _shim(m)
+        hits = c["c_cache_hits"] - before["c_cache_hits"]
+        direct = c["c_cache_direct"] - before["c_cache_direct"]
+        gated = c["c_cache_gated"] - before["c_cache_gated"]
+        assert hits == dc["entries"] and c["c_cache_fallbacks"] == before["c_cache_fallbacks"], c
+        if knob == "0":
+            assert direct == 0 and gated == 0, c
+            assert files_pages(segments)[0] > 0
+        else:
+            assert direct == hits and gated == hits, c
+            assert files_pages(segments)[0] == 0  # not one page of the segments read in

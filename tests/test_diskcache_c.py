@@ -43,7 +43,7 @@ def test_c_reads_verify_follow_eviction_and_leave_bad_entries_to_python(tmp_path
     d = tmp_path / "cache"
     sizes = np.array([len(b) for b in blobs], dtype=np.uint32)
     cache = DiskCache(str(d), 3 * (4 * 1000 + DATA_START), sizes, segment_bytes=3500)
-    hits0, bytes0, falls0 = shim.cache_counts()
+    hits0, bytes0, falls0 = shim.cache_counts()[:3]
     try:
         assert cache.serve_in_c()
         assert shim.cache_read(0) == 0  # not cached: the next path decides
@@ -71,7 +71,7 @@ def test_c_reads_verify_follow_eviction_and_leave_bad_entries_to_python(tmp_path
         assert got == -2, "a nowait read of evicted pages never said the disk was needed"
         assert shim.cache_read(4, 0, 50) == blobs[4][:50]
         assert shim.cache_read(8) == 0
-        hits, nbytes, falls = shim.cache_counts()
+        hits, nbytes, falls = shim.cache_counts()[:3]
         assert hits - hits0 == 12 + served and falls == falls0
         assert nbytes - bytes0 == (sum(map(len, blobs[:8])) + 3 * len(blobs[3])
                                    + (1 + served) * len(blobs[4]))
@@ -96,12 +96,13 @@ def test_c_reads_verify_follow_eviction_and_leave_bad_entries_to_python(tmp_path
         newest = max(live)
         present = [i for i in range(40) if cache.has(i) and int(cache._loc[i]) >> 40 != newest]
         assert present and [shim.cache_read(i) for i in present] == [blobs[i] for i in present]
-        assert _open_segment_fds(d) <= 2 * len(segments(d))  # none left on unlinked files
+        # none left on unlinked files (C keeps two per segment: buffered and O_DIRECT)
+        assert _open_segment_fds(d) <= 3 * len(segments(d))
         # a segment file that vanished before C opened it: C falls back, never guesses
         os.unlink(d / f"seg-{newest:012d}.fsc")
         in_newest = [i for i in range(40) if cache.has(i) and int(cache._loc[i]) >> 40 == newest]
         assert in_newest and all(shim.cache_read(i) == -1 for i in in_newest)
-        _, _, falls = shim.cache_counts()
+        _, _, falls = shim.cache_counts()[:3]
         assert falls - falls0 == 1 + len(stale) + len(in_newest)
     finally:
         cache.close()
@@ -142,4 +143,5 @@ def test_cache_c_knob_and_no_c_for_non_buffer_sizes(tmp_path):
         assert cache.serve_in_c() is False or _c_shim() is None
     finally:
         cache.close()
-    assert set(c_counts()) == {"c_cache_hits", "c_cache_bytes", "c_cache_fallbacks"}
+    assert set(c_counts()) == {"c_cache_hits", "c_cache_bytes", "c_cache_fallbacks",
+                               "c_cache_direct", "c_cache_gated"}

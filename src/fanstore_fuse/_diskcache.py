@@ -112,11 +112,13 @@ _c_holder: list[DiskCache] = []  # the one cache the shim reads, if any
 
 
 def c_counts() -> dict[str, int]:
-    """Reads of disk-cache entries answered by the shim in this process (`fuse_shim`)."""
+    """Reads of disk-cache entries answered by the shim in this process (`fuse_shim`): hits,
+    their bytes, fallbacks to Python, cold entries read with O_DIRECT, and nowait reads refused
+    by the residency check (`_shim_cache.c`)."""
     shim = _c_shim()
-    hits, nbytes, fallbacks = shim.cache_counts() if shim is not None else (0, 0, 0)
-    return {"c_cache_hits": int(hits), "c_cache_bytes": int(nbytes),
-            "c_cache_fallbacks": int(fallbacks)}
+    counts = shim.cache_counts() if shim is not None else (0,) * 5
+    return dict(zip(("c_cache_hits", "c_cache_bytes", "c_cache_fallbacks", "c_cache_direct",
+                     "c_cache_gated"), map(int, counts)))
 
 
 def _clear(directory: str) -> None:

@@ -147,12 +147,10 @@ int fanstore_blob_held(uint64_t blob) {
     return where(blob, &fd) >= 0;
 }
 
-/* The `n` bytes at `off` of a copy read with O_DIRECT (`dfd`) into this thread's bounce
- * buffer, then copied to `buf`: OK, IO (an error or a copy shorter than that), NOMEM, or
- * AGAIN when O_DIRECT cannot be used (then never again). */
-static int direct_pread(int dfd, off_t off, size_t n, void *buf) {
+const char *fanstore_direct_span(int dfd, off_t off, size_t n, int *status) {
+    *status = FANSTORE_BLOB_AGAIN;
     if (dfd < 0 || !__atomic_load_n(&direct_ok, __ATOMIC_RELAXED))
-        return FANSTORE_BLOB_AGAIN;
+        return NULL;
     off_t a = off & ~(off_t)(DIRECT_ALIGN - 1);
     size_t lead = (size_t)(off - a);
     size_t span = (lead + n + DIRECT_ALIGN - 1) & ~(size_t)(DIRECT_ALIGN - 1);
@@ -160,8 +158,9 @@ static int direct_pread(int dfd, off_t off, size_t n, void *buf) {
         free(bounce);
         bounce_cap = 0;
         bounce = aligned_alloc(DIRECT_ALIGN, span);
+        *status = FANSTORE_BLOB_NOMEM;
         if (bounce == NULL)
-            return FANSTORE_BLOB_NOMEM;
+            return NULL;
         bounce_cap = span;
     }
     size_t got = 0;
@@ -171,17 +170,38 @@ static int direct_pread(int dfd, off_t off, size_t n, void *buf) {
             continue;
         if (r < 0 && errno == EINVAL && got == 0) {
             __atomic_store_n(&direct_ok, 0, __ATOMIC_RELAXED);
-            return FANSTORE_BLOB_AGAIN;
+            *status = FANSTORE_BLOB_AGAIN;
+            return NULL;
         }
+        *status = FANSTORE_BLOB_IO; /* an error, or the file ends before the span does */
         if (r <= 0)
-            return FANSTORE_BLOB_IO; /* an error, or the copy ends before the blob does */
+            return NULL;
         got += (size_t)r;
         if ((size_t)r % DIRECT_ALIGN != 0)
             break; /* the end of the file */
     }
     if (got < lead + n)
-        return FANSTORE_BLOB_IO;
-    memcpy(buf, bounce + lead, n);
+        return NULL;
+    *status = FANSTORE_BLOB_OK;
+    return bounce + lead;
+}
+
+size_t fanstore_direct_max(void) {
+    return __atomic_load_n(&direct_ok, __ATOMIC_RELAXED) ? direct_max : 0;
+}
+
+void fanstore_direct_refused(void) {
+    __atomic_store_n(&direct_ok, 0, __ATOMIC_RELAXED);
+}
+
+/* The `n` bytes at `off` of a copy read with O_DIRECT (`dfd`), copied to `buf`: OK, IO, NOMEM,
+ * or AGAIN when O_DIRECT cannot be used (then never again). */
+static int direct_pread(int dfd, off_t off, size_t n, void *buf) {
+    int status;
+    const char *at = fanstore_direct_span(dfd, off, n, &status);
+    if (at == NULL)
+        return status;
+    memcpy(buf, at, n);
     __atomic_add_fetch(&direct_reads, 1, __ATOMIC_RELAXED);
     __atomic_add_fetch(&direct_bytes, n, __ATOMIC_RELAXED);
     return FANSTORE_BLOB_OK;

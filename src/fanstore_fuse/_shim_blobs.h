@@ -102,6 +102,16 @@ int fanstore_blob_direct(uint64_t blob);
  * cachestat(2) (Linux < 6.5): ~0.5 us, no mapping and no mmap lock, unlike mincore. */
 int fanstore_range_resident(int fd, off_t off, size_t n);
 
+/* [off, off + n) of the O_DIRECT descriptor `dfd`, read as its 4 KiB-aligned span into this
+ * thread's bounce buffer: a pointer to byte `off` there (good until this thread's next call),
+ * or NULL with *status FANSTORE_BLOB_IO (an error, or the file ends first), NOMEM, or AGAIN
+ * (O_DIRECT refused by the file system: then never again, for every caller). */
+const char *fanstore_direct_span(int dfd, off_t off, size_t n, int *status);
+/* The most bytes a cold read takes around the page cache (FANSTORE_DIRECT_MISS; 0: none, and
+ * none once cachestat or O_DIRECT was refused); fanstore_direct_refused() says it was. */
+size_t fanstore_direct_max(void);
+void fanstore_direct_refused(void);
+
 /* Decode and verify `blob` from its complete stored bytes (`stored`, stored[blob] bytes: read
  * here, or received from a peer) into `out` (raw[blob] bytes). Every codec: 0 checked in
  * place and copied, 1 and 2 decoded with the output bounded by the raw size, 3 the table

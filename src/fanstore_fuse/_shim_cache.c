@@ -45,6 +45,7 @@ struct seg {
     uint64_t number; /* 0: free */
     uint64_t gen;    /* the hold_cache it belongs to */
     int fd;
+    int dfd; /* the same file with O_DIRECT, or -1 */
     int pins;
 };
 
@@ -58,26 +59,49 @@ static struct {
     uint64_t gone; /* segments 1..gone are evicted */
     uint64_t gen;  /* bumped by every hold_cache and drop_cache */
     struct seg segs[SLOTS];
-} cache = {PTHREAD_MUTEX_INITIALIZER, 0, 0, NULL, NULL, -1, 0, 1, {{0, 0, 0, 0}}};
+} cache = {PTHREAD_MUTEX_INITIALIZER, 0, 0, NULL, NULL, -1, 0, 1, {{0, 0, 0, -1, 0}}};
 
 static Py_buffer index_buf, raw_buf; /* held while .obj != NULL (GIL) */
-static unsigned long long hits, hit_bytes, fallbacks;
+static unsigned long long hits, hit_bytes, fallbacks, direct_reads, gated;
+
+/* Cold entries read around the page cache, as cold local blobs are (_shim_blobs.c): a buffered
+ * read that misses, RWF_NOWAIT ones included, starts the read-ahead in small folios, and a 2 MiB
+ * range of a segment holding any of them can no longer take one large folio when the stream
+ * (_shim_stream.c) reads the segments in. So an entry of at most fanstore_direct_max() bytes
+ * (the digest with it) is first looked up with cachestat: not wholly resident, a nowait read
+ * gives AGAIN without any I/O, and the blocking read takes the entry's 4 KiB-aligned span with
+ * O_DIRECT. FANSTORE_CACHE_DIRECT=0: buffered reads as before. Counters: `direct_reads`,
+ * `gated` (nowait reads refused by the residency check). */
+static int direct_knob = -1;
+
+static int cache_direct(void) {
+    int on = __atomic_load_n(&direct_knob, __ATOMIC_RELAXED);
+    if (on < 0) {
+        const char *k = getenv("FANSTORE_CACHE_DIRECT");
+        on = !(k != NULL && strcmp(k, "0") == 0);
+        __atomic_store_n(&direct_knob, on, __ATOMIC_RELAXED);
+    }
+    return on;
+}
 
 
 static void close_slot(struct seg *s) {
     close(s->fd);
+    if (s->dfd >= 0)
+        close(s->dfd);
     s->number = 0;
-    s->fd = -1;
+    s->fd = s->dfd = -1;
 }
 
 /* Whether `s` holds an fd no reader may take any more (evicted, or of an earlier cache). */
 static int stale(const struct seg *s) { return s->gen != cache.gen || s->number <= cache.gone; }
 
-/* Segment file `number` of the cache directory `dirfd`, read-only; -1 when it is not there. */
-static int open_segment(int dirfd, uint64_t number) {
+/* Segment file `number` of the cache directory `dirfd`, read-only (`flags`: O_DIRECT or 0);
+ * -1 when it is not there. */
+static int open_segment(int dirfd, uint64_t number, int flags) {
     char name[40];
     snprintf(name, sizeof(name), "seg-%012llu.fsc", (unsigned long long)number);
-    return openat(dirfd, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    return openat(dirfd, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | flags);
 }
 
 /* The pinned segment `number`, opened if need be; NULL when evicted or unopenable. Locked. */
@@ -91,12 +115,14 @@ static struct seg *pin(uint64_t number) {
                 return NULL;
             close_slot(s);
         }
-        int fd = open_segment(cache.dirfd, number);
+        int fd = open_segment(cache.dirfd, number, 0);
         if (fd < 0)
             return NULL;
         s->number = number;
         s->gen = cache.gen;
         s->fd = fd;
+        s->dfd = cache_direct() && fanstore_direct_max() ? open_segment(cache.dirfd, number, O_DIRECT)
+                                                         : -1;
         s->pins = 0;
     }
     s->pins++;
@@ -125,6 +151,28 @@ int fanstore_cache_lookup(uint64_t blob, uint32_t *raw) {
     return found;
 }
 
+/* An entry's digest: its first 8 bytes, little-endian. */
+static uint64_t digest_of(const char *p) {
+    uint64_t want = 0;
+    for (int k = ENTRY_HEADER - 1; k >= 0; k--)
+        want = want << 8 | (unsigned char)p[k];
+    return want;
+}
+
+/* HIT when the `len` bytes at `from` have the digest `want` (then copied to `buf` when `copy`),
+ * else FALLBACK: nothing unverified is handed out. */
+static int check(uint64_t want, const char *from, char *buf, uint32_t len, int copy) {
+    if (fanstore_checksum(from, len) != want) {
+        __atomic_add_fetch(&fallbacks, 1, __ATOMIC_RELAXED);
+        return FANSTORE_CACHE_FALLBACK;
+    }
+    if (copy)
+        memcpy(buf, from, len);
+    __atomic_add_fetch(&hits, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&hit_bytes, len, __ATOMIC_RELAXED);
+    return FANSTORE_CACHE_HIT;
+}
+
 int fanstore_cache_read(uint64_t blob, char *buf, size_t cap, uint32_t *raw, int nowait) {
     pthread_mutex_lock(&cache.lock);
     uint64_t loc = cache.on && blob < cache.n ? slot_of(blob) : 0;
@@ -140,8 +188,34 @@ int fanstore_cache_read(uint64_t blob, char *buf, size_t cap, uint32_t *raw, int
         return FANSTORE_CACHE_FALLBACK;
     }
     unsigned char digest[ENTRY_HEADER];
+    off_t at = (off_t)(loc & OFF_MASK);
+    size_t whole = ENTRY_HEADER + (size_t)len;
+    int resident = 1;
+    if (s->dfd >= 0 && whole <= fanstore_direct_max() &&
+        (resident = fanstore_range_resident(s->fd, at, whole)) == 0) {
+        if (nowait) { /* no buffered read: it would start the read-ahead in small folios */
+            unpin(s);
+            __atomic_add_fetch(&gated, 1, __ATOMIC_RELAXED);
+            fanstore_stream_cold(FANSTORE_STREAM_CACHE);
+            return FANSTORE_CACHE_AGAIN;
+        }
+        int status;
+        const char *p = fanstore_direct_span(s->dfd, at, whole, &status);
+        unpin(s);
+        if (p != NULL) {
+            __atomic_add_fetch(&direct_reads, 1, __ATOMIC_RELAXED);
+            return check(digest_of(p), p + ENTRY_HEADER, buf, len, 1);
+        }
+        if (status != FANSTORE_BLOB_AGAIN) {
+            __atomic_add_fetch(&fallbacks, 1, __ATOMIC_RELAXED);
+            return FANSTORE_CACHE_FALLBACK; /* Python reads it */
+        }
+        return fanstore_cache_read(blob, buf, cap, raw, nowait); /* O_DIRECT refused: buffered */
+    }
+    if (resident < 0)
+        fanstore_direct_refused(); /* no cachestat here: buffered reads from now on */
     struct iovec iov[2] = {{digest, ENTRY_HEADER}, {buf, len}};
-    ssize_t got = preadv2(s->fd, iov, 2, (off_t)(loc & OFF_MASK), nowait ? RWF_NOWAIT : 0);
+    ssize_t got = preadv2(s->fd, iov, 2, at, nowait ? RWF_NOWAIT : 0);
     int again = got < 0 && (errno == EAGAIN || errno == EOPNOTSUPP); /* or no RWF_NOWAIT here */
     int cold = got >= 0 || errno == EAGAIN;
     unpin(s);
@@ -150,16 +224,11 @@ int fanstore_cache_read(uint64_t blob, char *buf, size_t cap, uint32_t *raw, int
             fanstore_stream_cold(FANSTORE_STREAM_CACHE);
         return FANSTORE_CACHE_AGAIN; /* (partly) not in the page cache: the disk is needed */
     }
-    uint64_t want = 0;
-    for (int k = ENTRY_HEADER - 1; k >= 0; k--)
-        want = want << 8 | digest[k];
-    if (got != (ssize_t)len + ENTRY_HEADER || fanstore_checksum(buf, len) != want) {
+    if (got != (ssize_t)len + ENTRY_HEADER) {
         __atomic_add_fetch(&fallbacks, 1, __ATOMIC_RELAXED);
         return FANSTORE_CACHE_FALLBACK;
     }
-    __atomic_add_fetch(&hits, 1, __ATOMIC_RELAXED);
-    __atomic_add_fetch(&hit_bytes, len, __ATOMIC_RELAXED);
-    return FANSTORE_CACHE_HIT;
+    return check(digest_of((const char *)digest), buf, buf, len, 0);
 }
 
 int fanstore_cache_range(uint64_t blob, uint64_t lo, uint64_t hi, int nowait, char **buf,
@@ -219,7 +288,7 @@ int fanstore_cache_segment_fds(int *fds, int max) {
     int n = 0, misses = 0;
     /* the oldest may be unlinked before Python says so (cache_evicted): look a little further */
     for (; n < max && misses < 64; number++) {
-        int fd = open_segment(dirfd, number);
+        int fd = open_segment(dirfd, number, 0);
         if (fd >= 0)
             fds[n++] = fd;
         else if (n > 0)
@@ -333,9 +402,11 @@ PyObject *fanstore_py_drop_cache(PyObject *self, PyObject *unused) {
 PyObject *fanstore_py_cache_counts(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
-    return Py_BuildValue("(KKK)", __atomic_load_n(&hits, __ATOMIC_RELAXED),
+    return Py_BuildValue("(KKKKK)", __atomic_load_n(&hits, __ATOMIC_RELAXED),
                          __atomic_load_n(&hit_bytes, __ATOMIC_RELAXED),
-                         __atomic_load_n(&fallbacks, __ATOMIC_RELAXED));
+                         __atomic_load_n(&fallbacks, __ATOMIC_RELAXED),
+                         __atomic_load_n(&direct_reads, __ATOMIC_RELAXED),
+                         __atomic_load_n(&gated, __ATOMIC_RELAXED));
 }
 
 /* cache_read(blob, lo=0, hi=2**64-1, nowait=False): what the READ path gets, for tests:

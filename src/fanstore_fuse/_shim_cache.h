@@ -62,7 +62,8 @@ PyObject *fanstore_py_cache_read(PyObject *self, PyObject *args);
     {"drop_cache", fanstore_py_drop_cache, METH_NOARGS,                                           \
      "drop_cache(): C cache reads off, fds closed, buffers released"},                            \
     {"cache_counts", fanstore_py_cache_counts, METH_NOARGS,                                       \
-     "cache_counts(): (hits, bytes, fallbacks) of C cache reads"},                                \
+     "cache_counts(): (hits, bytes, fallbacks, O_DIRECT reads, nowait reads gated) of C "       \
+     "cache reads"},                                                                              \
     {"cache_read", fanstore_py_cache_read, METH_VARARGS,                                          \
      "cache_read(blob, lo=0, hi=2**64-1, nowait=False): bytes lo..hi, verified in C (tests), "    \
      "or 0 (not cached), -1 (Python must read it), -2 (nowait: not in the page cache)"},
