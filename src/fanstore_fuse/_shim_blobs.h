@@ -213,6 +213,9 @@ void *fanstore_data_alloc(size_t n);
 void fanstore_data_free(void *p);
 /* (large blocks allocated afresh, of them advised MADV_HUGEPAGE, taken from the pool) */
 void fanstore_data_counts(unsigned long long out[3]);
+/* An on/off knob from the environment, read once into *cached (start it at -1): off only when
+ * `name` is "0". */
+int fanstore_knob_on(const char *name, int *cached);
 void fanstore_scratch_release(struct fanstore_scratch *s); /* the frame reference, if any */
 
 /* Raw bytes lo..hi (hi <= raw[blob]) of `blob`, held here, verified: a framed blob reads only

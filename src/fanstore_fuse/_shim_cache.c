@@ -75,13 +75,7 @@ static unsigned long long hits, hit_bytes, fallbacks, direct_reads, gated;
 static int direct_knob = -1;
 
 static int cache_direct(void) {
-    int on = __atomic_load_n(&direct_knob, __ATOMIC_RELAXED);
-    if (on < 0) {
-        const char *k = getenv("FANSTORE_CACHE_DIRECT");
-        on = !(k != NULL && strcmp(k, "0") == 0);
-        __atomic_store_n(&direct_knob, on, __ATOMIC_RELAXED);
-    }
-    return on;
+    return fanstore_knob_on("FANSTORE_CACHE_DIRECT", &direct_knob);
 }
 
 

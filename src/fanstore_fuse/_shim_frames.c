@@ -301,14 +301,18 @@ static int slots(void) {
 static int huge_knob = -1;
 static unsigned long long data_fresh, data_huge, data_pooled; /* data_counts() */
 
-static int huge_blocks(void) {
-    int on = __atomic_load_n(&huge_knob, __ATOMIC_RELAXED);
+int fanstore_knob_on(const char *name, int *cached) {
+    int on = __atomic_load_n(cached, __ATOMIC_RELAXED);
     if (on < 0) {
-        const char *knob = getenv("FANSTORE_DATA_HUGE");
+        const char *knob = getenv(name);
         on = !(knob != NULL && strcmp(knob, "0") == 0);
-        __atomic_store_n(&huge_knob, on, __ATOMIC_RELAXED);
+        __atomic_store_n(cached, on, __ATOMIC_RELAXED);
     }
     return on;
+}
+
+static int huge_blocks(void) {
+    return fanstore_knob_on("FANSTORE_DATA_HUGE", &huge_knob);
 }
 
 void *fanstore_data_alloc(size_t n) {
