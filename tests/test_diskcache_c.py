@@ -96,7 +96,7 @@ def test_c_reads_verify_follow_eviction_and_leave_bad_entries_to_python(tmp_path
         newest = max(live)
         present = [i for i in range(40) if cache.has(i) and int(cache._loc[i]) >> 40 != newest]
         assert present and [shim.cache_read(i) for i in present] == [blobs[i] for i in present]
-        # none left on unlinked files (C keeps two per segment: buffered and O_DIRECT)
+        # none left on unlinked files (C keeps up to two per segment: buffered and O_DIRECT)
         assert _open_segment_fds(d) <= 3 * len(segments(d))
         # a segment file that vanished before C opened it: C falls back, never guesses
         os.unlink(d / f"seg-{newest:012d}.fsc")

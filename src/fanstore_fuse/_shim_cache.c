@@ -45,7 +45,7 @@ struct seg {
     uint64_t number; /* 0: free */
     uint64_t gen;    /* the hold_cache it belongs to */
     int fd;
-    int dfd; /* the same file with O_DIRECT, or -1 */
+    int dfd; /* the same file with O_DIRECT, or -1; -2: not opened yet (seg_dfd) */
     int pins;
 };
 
@@ -115,8 +115,7 @@ static struct seg *pin(uint64_t number) {
         s->number = number;
         s->gen = cache.gen;
         s->fd = fd;
-        s->dfd = cache_direct() && fanstore_direct_max() ? open_segment(cache.dirfd, number, O_DIRECT)
-                                                         : -1;
+        s->dfd = -2;
         s->pins = 0;
     }
     s->pins++;
@@ -143,6 +142,17 @@ int fanstore_cache_lookup(uint64_t blob, uint32_t *raw) {
     }
     pthread_mutex_unlock(&cache.lock);
     return found;
+}
+
+/* The pinned segment's O_DIRECT descriptor, opened on its first cold small entry (segments of
+ * large entries never need one); -1 where O_DIRECT cannot be had. */
+static int seg_dfd(struct seg *s) {
+    pthread_mutex_lock(&cache.lock);
+    if (s->dfd == -2)
+        s->dfd = open_segment(cache.dirfd, s->number, O_DIRECT);
+    int dfd = s->dfd;
+    pthread_mutex_unlock(&cache.lock);
+    return dfd;
 }
 
 /* An entry's digest: its first 8 bytes, little-endian. */
@@ -184,9 +194,9 @@ int fanstore_cache_read(uint64_t blob, char *buf, size_t cap, uint32_t *raw, int
     unsigned char digest[ENTRY_HEADER];
     off_t at = (off_t)(loc & OFF_MASK);
     size_t whole = ENTRY_HEADER + (size_t)len;
-    int resident = 1;
-    if (s->dfd >= 0 && whole <= fanstore_direct_max() &&
-        (resident = fanstore_range_resident(s->fd, at, whole)) == 0) {
+    int resident = 1, dfd = -1;
+    if (whole <= fanstore_direct_max() && cache_direct() &&
+        (resident = fanstore_range_resident(s->fd, at, whole)) == 0 && (dfd = seg_dfd(s)) >= 0) {
         if (nowait) { /* no buffered read: it would start the read-ahead in small folios */
             unpin(s);
             __atomic_add_fetch(&gated, 1, __ATOMIC_RELAXED);
@@ -194,7 +204,7 @@ int fanstore_cache_read(uint64_t blob, char *buf, size_t cap, uint32_t *raw, int
             return FANSTORE_CACHE_AGAIN;
         }
         int status;
-        const char *p = fanstore_direct_span(s->dfd, at, whole, &status);
+        const char *p = fanstore_direct_span(dfd, at, whole, &status);
         unpin(s);
         if (p != NULL) {
             __atomic_add_fetch(&direct_reads, 1, __ATOMIC_RELAXED);
