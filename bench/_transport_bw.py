@@ -3,7 +3,8 @@
 Run: ``.venv/bin/mpiexec -n 2 .venv/bin/python -m bench._transport_bw DEST [--small N]``
 
 Both ranks compose what a mount daemon composes (`compose` over `MpiTransport` with the
-settings of the environment, the same `Placement(2, 1)`, `BlobStore` over DEST's partitions, no
+settings of the environment and those a daemon gives MPICH before `MPI_Init`,
+`mpi_env_defaults`; the same `Placement(2, 1)`, `BlobStore` over DEST's partitions, no
 FUSE) and start the C remote thread as a daemon does (`_cremote`; `FANSTORE_CREMOTE=0`: the
 Python transport; the JSON's `path` says which). Rank 0 then fetches through the rank's blob
 source (request, the serving rank's handler, reply, verify, decode):
@@ -34,6 +35,9 @@ import numpy as np
 import trio
 from mpi4py import rc
 
+from fanstore_fuse._transport import mpi_env_defaults
+
+mpi_env_defaults()  # what a daemon sets before MPI_Init
 rc.thread_level = "multiple"
 from mpi4py import MPI  # noqa: E402
 

@@ -59,3 +59,19 @@ def test_blobs_through_mpi_ranks_and_error_replies(src_tree, tmp_path, inline):
         assert server["polls"] < 50 * server["served"], server
     else:
         assert server["served_inline"] == server["served_by_io"] == server["bell_wakes"] == 0
+
+
+def test_large_tcp_messages_go_by_rendezvous_unless_the_environment_says_otherwise():
+    """`mpi_env_defaults` (what a daemon sets before `MPI_Init`): libfabric's TCP provider takes
+    messages above TCP_SAVED_BYTES by rendezvous, so a 4 MiB reply lands in the buffer matched
+    for it, not in the provider's own and then copied; a whole small blob's reply stays eager.
+    A value the user set wins, as for MPICH's shared-memory settings."""
+    from fanstore_fuse._transport import EAGER_BYTES, TCP_SAVED_BYTES, mpi_env_defaults
+
+    env = {"SLURM_JOB_ID": "7"}  # inside a job: MPICH's shared-memory settings are left alone
+    mpi_env_defaults(env)
+    assert env == {"SLURM_JOB_ID": "7", "FI_TCP_MAX_SAVED_SIZE": str(TCP_SAVED_BYTES)}
+    assert EAGER_BYTES < TCP_SAVED_BYTES < 4 << 20
+    env = {"SLURM_JOB_ID": "7", "FI_TCP_MAX_SAVED_SIZE": "18446744073709551615"}
+    mpi_env_defaults(env)
+    assert env["FI_TCP_MAX_SAVED_SIZE"] == "18446744073709551615"

@@ -41,7 +41,7 @@ from ._mountctl import (
 from ._readahead import enable_fuse_uring, hold_readahead, set_readahead
 from ._settings import Settings
 from ._startup import Exchange, MappedPages, PeerFailed, Phases, Staged, stage
-from ._transport import Transport, mpich_shm_defaults, unlink_shared_segments
+from ._transport import Transport, mpi_env_defaults, unlink_shared_segments
 from ._view import ENTRY_TIMEOUT, MountView
 from .writes import WriteStore
 
@@ -241,7 +241,7 @@ def communicator(cfg: MountConfig) -> tuple[Any, int, int]:
         return OneRank(), 0, 1
     from mpi4py import rc
 
-    mpich_shm_defaults()  # before MPI_Init
+    mpi_env_defaults()  # before MPI_Init
     rc.thread_level = "multiple"
     from mpi4py import MPI
 

@@ -83,6 +83,30 @@ def mpich_shm_defaults(environ: Any = os.environ) -> None:
         environ["MPIR_CVAR_CH4_PACK_BUFFER_SIZE"] = str(cell)
 
 
+# Between nodes MPICH's OFI netmod runs over libfabric's TCP provider, which keeps a message that
+# arrives before a receive is posted for it ("unexpected") in a buffer of its own and copies it
+# out when it is matched. Every reply the remote threads take is unexpected (they match with
+# `Improbe` + `Mrecv`), so each 4 MiB chunk read from a peer was copied once more on the reading
+# node, a memcpy under `PMPI_Mrecv` (found with gdb on the Slurm test cluster, thirtieth
+# session). Above FI_TCP_MAX_SAVED_SIZE the provider sends a ready-to-send instead, and the data
+# follows into the matched buffer once it is claimed (its rendezvous protocol). Replies of whole
+# small blobs (up to EAGER_BYTES) stay eager: a copy of them costs less than a round trip.
+TCP_SAVED_BYTES = EAGER_BYTES + (4 << 10)
+
+
+def ofi_tcp_defaults(environ: Any = os.environ) -> None:
+    """Set libfabric's TCP provider to take messages above TCP_SAVED_BYTES by rendezvous, before
+    `MPI_Init` (every rank runs this: the sender decides by its own limit). A value already in
+    the environment wins (libfabric's own default: every unexpected message buffered)."""
+    environ.setdefault("FI_TCP_MAX_SAVED_SIZE", str(TCP_SAVED_BYTES))
+
+
+def mpi_env_defaults(environ: Any = os.environ) -> None:
+    """Every setting a daemon gives MPICH before `MPI_Init`."""
+    mpich_shm_defaults(environ)
+    ofi_tcp_defaults(environ)
+
+
 SHM_SEGMENTS = "/dev/shm/mpich_shm_"
 
 
