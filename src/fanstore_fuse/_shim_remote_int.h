@@ -31,6 +31,7 @@ struct fsr_mpi {
     int (*Isend)(const void *, int, int, int, int, int, int *);
     int (*Improbe)(int, int, int, int *, int *, struct mpi_status *);
     int (*Mrecv)(void *, int, int, int *, struct mpi_status *);
+    int (*Imrecv)(void *, int, int, int *, int *);
     int (*Test)(int *, int *, struct mpi_status *);
     int (*Get_count)(const struct mpi_status *, int, int *);
     int (*Iallgather)(const void *, int, int, void *, int, int, int, int *);
@@ -82,6 +83,12 @@ struct sending {
     char *buf;
 };
 
+struct receiving { /* a large reply matched and received without waiting (fsr_take_reply) */
+    int req, source, tag;
+    char *buf; /* its header's room first (pre bytes), then the message */
+    size_t pre, n;
+};
+
 #define WORKERS 2
 #define DECODE_INLINE (256u << 10) /* replies this small are verified on the remote thread */
 #define RANGE_INLINE (1088u << 10) /* FSR_OP_FRAMES replies: up to a 1 MiB READ's and a table */
@@ -105,6 +112,8 @@ struct fsr_state {
                               netmod hanging on a dead node) never leaves a reader waiting */
     struct sending *sends;
     size_t nsends, capsends;
+    struct receiving *recvs; /* the remote thread's only */
+    size_t nrecvs, caprecvs;
     uint64_t next_id;
     int64_t mpi_since; /* ns: the remote thread is inside its MPI calls since then (0: not) */
 };
@@ -117,7 +126,7 @@ struct fsr_stats {
         cache_offers, c_range_reads, c_chunk_hits, c_fetch_ahead, send_waits, worker_sends,
         served_mapped, py_in_place, local_rings, map_zaps, probe_again, probe_found, direct_sends,
         verified_by_reaper, offer_pokes, thread_rings, thread_replies, thread_waits,
-        thread_wait_ns, thread_take_ns;
+        thread_wait_ns, thread_take_ns, late_receives;
 };
 extern struct fsr_stats fsr_stats;
 
@@ -203,8 +212,11 @@ static inline uint16_t fsr_request_bell(const struct fsr_header *h) {
     return h->err > 0 && h->err <= 0xffff ? (uint16_t)h->err : 0;
 }
 /* One reply matched by Improbe (`msg`, `st`): received and handed to its call (fsr_answered,
- * fsr_answered_bare); 0, or -1 if MPI failed to receive it. */
-int fsr_take_reply(int *msg, const struct mpi_status *st);
+ * fsr_answered_bare); 0, or -1 if MPI failed to receive it. `later` (the remote thread only): a
+ * reply over FSR_EAGER_MAX from a rank on another host is received with Imrecv and handed over
+ * when a later test finds it complete (fsr_state.recvs), so the thread never waits inside MPI
+ * while a large one comes over the network (FANSTORE_CREMOTE_LATE_RECV=0: it does, for A/B). */
+int fsr_take_reply(int *msg, const struct mpi_status *st, int later);
 /* _shim_remote_tbell.c: the reply bells of the C FUSE threads. On a C FUSE thread, the port
  * of its reply bell (opened on first use), or 0 (not such a thread, off, no socket, or as many
  * of its calls in flight as it follows); fsr_thread_call records a call made with it. */

@@ -17,6 +17,7 @@ double fsr_idle = 0.05;
 int fsr_direct = 0;
 static int probe_again = 1; /* FANSTORE_CREMOTE_PROBE_AGAIN=0: one probe after a bell, for A/B */
 static int worker_send = 0;
+static int late_recv = 1; /* FANSTORE_CREMOTE_LATE_RECV=0: large replies with a blocking Mrecv, for A/B */
 
 const char *fsr_find_mpi(const char *path) {
     void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
@@ -25,7 +26,7 @@ const char *fsr_find_mpi(const char *path) {
 #define FIND(name)                                                                                \
     if ((*(void **)&fsr_mpi.name = dlsym(lib, "MPI_" #name)) == NULL)                                 \
         return "MPI_" #name " not found in libmpi";
-    FIND(Isend) FIND(Improbe) FIND(Mrecv) FIND(Test) FIND(Get_count) FIND(Iallgather)
+    FIND(Isend) FIND(Improbe) FIND(Mrecv) FIND(Imrecv) FIND(Test) FIND(Get_count) FIND(Iallgather)
     FIND(Query_thread)
 #undef FIND
     return NULL;
@@ -67,13 +68,18 @@ int fsr_local_bells(void) {
     return knob == NULL || strcmp(knob, "0") != 0;
 }
 
+/* `rank`'s host name in the bell exchange is ours (after fsr_take_bells) */
+static int fsr_host_of(int rank) {
+    return fsr_state.bell_table != NULL && rank >= 0 && rank < fsr_state.size &&
+           memcmp(fsr_state.bell_table + (size_t)rank * BELL_RECORD, fsr_state.bell_mine, 64) == 0;
+}
+
 static void local_bell_peers(void) { /* after fsr_take_bells */
     if (ubell_fd < 0 || (upeers = calloc((size_t)fsr_state.size, sizeof(*upeers))) == NULL ||
         (ulen = calloc((size_t)fsr_state.size, sizeof(*ulen))) == NULL)
         return;
     for (int r = 0; r < fsr_state.size; r++)
-        if (r != fsr_state.rank && fsr_state.peers[r].sin_port &&
-            memcmp(fsr_state.bell_table + (size_t)r * BELL_RECORD, fsr_state.bell_mine, 64) == 0)
+        if (r != fsr_state.rank && fsr_state.peers[r].sin_port && fsr_host_of(r))
             ulen[r] = fsr_bell_name(&upeers[r], fsr_state.peers[r].sin_port);
 }
 
@@ -227,6 +233,8 @@ void fsr_read_knobs(void) {
     probe_again = again == NULL || strcmp(again, "0") != 0;
     const char *ws = getenv("FANSTORE_CREMOTE_WORKER_SEND"); /* 0: workers queue every reply */
     worker_send = ws == NULL || strcmp(ws, "0") != 0;
+    const char *lr = getenv("FANSTORE_CREMOTE_LATE_RECV");
+    late_recv = lr == NULL || strcmp(lr, "0") != 0;
 }
 
 int fsr_worker_sends(size_t n) {
@@ -349,23 +357,77 @@ static int fsr_start_calls(void) {
     return moved;
 }
 
-int fsr_take_reply(int *msg, const struct mpi_status *st) {
+static void fsr_deliver(char *buf, size_t pre, size_t n, int source, int tag) {
+    if (pre)
+        fsr_answered_bare(buf, pre + n, source, tag);
+    else
+        fsr_answered(buf, n);
+}
+
+/* A rank on this host (the same host name in the bell exchange, once it is done): MPICH moves
+ * its messages through shared memory, where the bytes of a matched message are all there to
+ * copy (CMA), so a blocking receive of it waits for no network. */
+static int fsr_same_host(int rank) {
+    return fsr_state.gathered == 1 && fsr_host_of(rank);
+}
+
+int fsr_take_reply(int *msg, const struct mpi_status *st, int later) {
     int count = 0;
     fsr_mpi.Get_count(st, fsr_state.byte, &count);
     size_t pre = st->tag >= FSR_TAG_BARE ? sizeof(struct fsr_header) : 0; /* its header: ours */
-    char *buf = fanstore_data_alloc(pre + (count > 0 ? (size_t)count : 1));
+    size_t n = count > 0 ? (size_t)count : 0;
+    char *buf = fanstore_data_alloc(pre + (n ? n : 1));
     if (buf == NULL)
         abort(); /* a matched message must be received */
+    if (later && late_recv && n > FSR_EAGER_MAX && !fsr_same_host(st->source)) {
+        int req;
+        if (fsr_state.nrecvs == fsr_state.caprecvs) {
+            size_t cap = fsr_state.caprecvs ? 2 * fsr_state.caprecvs : 16;
+            struct receiving *r = realloc(fsr_state.recvs, cap * sizeof(*r));
+            if (r == NULL)
+                abort(); /* a matched message must be received */
+            fsr_state.recvs = r;
+            fsr_state.caprecvs = cap;
+        }
+        if (fsr_mpi.Imrecv(buf + pre, count, fsr_state.byte, msg, &req) != 0) {
+            COUNT(peer_errors);
+            free(buf);
+            return -1;
+        }
+        COUNT(late_receives);
+        fsr_state.recvs[fsr_state.nrecvs++] = (struct receiving){req, st->source, st->tag, buf, pre, n};
+        return 0;
+    }
     if (fsr_mpi.Mrecv(buf + pre, count, fsr_state.byte, msg, MPI_STATUS_IGNORE_) != 0) {
         COUNT(peer_errors);
         free(buf);
         return -1;
     }
-    if (pre)
-        fsr_answered_bare(buf, pre + (size_t)count, st->source, st->tag);
-    else
-        fsr_answered(buf, (size_t)count);
+    fsr_deliver(buf, pre, n, st->source, st->tag);
     return 0;
+}
+
+/* The large replies being received (fsr_take_reply's `later`): those complete handed over. */
+static int fsr_progress_recvs(void) {
+    int moved = 0;
+    for (size_t i = 0; i < fsr_state.nrecvs;) {
+        int flag = 0;
+        struct receiving r = fsr_state.recvs[i];
+        int rc = fsr_mpi.Test(&fsr_state.recvs[i].req, &flag, MPI_STATUS_IGNORE_);
+        if (rc == 0 && !flag) {
+            i++;
+            continue;
+        }
+        fsr_state.recvs[i] = fsr_state.recvs[--fsr_state.nrecvs];
+        moved = 1;
+        if (rc != 0) {
+            COUNT(peer_errors); /* its call times out, then reads another way */
+            free(r.buf);
+        } else {
+            fsr_deliver(r.buf, r.pre, r.n, r.source, r.tag);
+        }
+    }
+    return moved;
 }
 
 /* Every message waiting, received and handled; `rung`: a bell rang, so a message is on its
@@ -392,7 +454,7 @@ static int fsr_receive(int rung) {
             break;
         moved = 1;
         if (st.tag >= FSR_TAG_BARE || st.tag == FSR_TAG_REPLY) {
-            fsr_take_reply(&msg, &st);
+            fsr_take_reply(&msg, &st, 1);
             continue;
         }
         fsr_mpi.Get_count(&st, fsr_state.byte, &count);
@@ -492,6 +554,8 @@ void *fsr_thread(void *unused) {
             moved |= fsr_receive(chase);
             if (fsr_state.nsends)
                 moved |= fsr_progress_sends();
+            if (fsr_state.nrecvs)
+                moved |= fsr_progress_recvs();
             __atomic_store_n(&fsr_state.mpi_since, 0, __ATOMIC_RELAXED);
             if (fsr_state.inflight)
                 fsr_reap(fsr_now(), 0);
@@ -506,7 +570,7 @@ void *fsr_thread(void *unused) {
         int idle = 0; /* a whole idle wait: nothing in flight, nothing being chased */
         if (fsr_state.gathered != 1) {
             timeout = 5e-3; /* waiting for the other ranks' threads: nothing to serve yet */
-        } else if (fsr_state.nsends || chase) {
+        } else if (fsr_state.nsends || fsr_state.nrecvs || chase) {
             due = due ? (due * 2 < 1e-3 ? due * 2 : 1e-3) : 20e-6;
             chase = chase && due < 1e-3;
             timeout = due;
@@ -538,8 +602,9 @@ void *fsr_thread(void *unused) {
     /* stopping: what is in flight will not be answered */
     fsr_reap(0, 1);
     double end = fsr_now() + 1.0; /* let replies already posted reach their requesters */
-    while (fsr_state.nsends && fsr_now() < end) {
+    while ((fsr_state.nsends || fsr_state.nrecvs) && fsr_now() < end) {
         fsr_progress_sends();
+        fsr_progress_recvs(); /* calls reaped: each reply freed; one not done is left to MPI */
         usleep(1000);
     }
     return NULL;

@@ -157,7 +157,7 @@ static void tb_receive(int rung, double woke) {
             if (fsr_mpi.Improbe(owner, tags[k], fsr_state.comm, &flag, &msg, &st) != 0)
                 break;
             if (flag) {
-                if (fsr_take_reply(&msg, &st) == 0) {
+                if (fsr_take_reply(&msg, &st, 0) == 0) {
                     COUNT(thread_replies); /* where the time went: waiting, then taking it */
                     ADD(thread_wait_ns, (unsigned long long)((woke - tb_calls[i].sent) * 1e9));
                     ADD(thread_take_ns, (unsigned long long)((fsr_now() - woke) * 1e9));

@@ -46,7 +46,8 @@ c_remote = before.get("c_remote", {})  # the C remote thread's counters after ep
 print(f"{host}: epoch 1: C remote READs {c_remote.get('c_reads', 0)}, "
       f"C requests served {c_remote.get('served', 0)}, "
       f"replies taken by the requesting thread {c_remote.get('thread_replies', 0)}, "
-      f"requester threads rung {c_remote.get('thread_rings', 0)}; "
+      f"requester threads rung {c_remote.get('thread_rings', 0)}, "
+      f"large replies received without waiting {c_remote.get('late_receives', 0)}; "
       f"requests taken from io_uring queues {before.get('fuse_shim', {}).get('c_uring_requests', 0)}",
       flush=True)
 print(f"{host}: epoch 2: {n2} entries identical; fetched from other nodes {fetched}; "
