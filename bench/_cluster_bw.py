@@ -26,6 +26,12 @@ Starts a 2-node cluster (scripts/minicluster/) and runs one batch job on it:
 
 ``summary``: every path's MB/s over the best raw MPI figure of the job (``over_raw``).
 Prints one JSON object. The machine is shared: compare figures of one run, not across runs.
+
+``python -m bench._cluster_bw transport --runs N [--ab K=V[,K2=V2]] ...`` runs step 2 alone, N
+times for the job's environment and N times for each ``--ab`` environment, alternated in one job
+(the arms see the same machine), and prints each arm's medians: the raw stream, both transport
+paths' MB/s and their ratio to it, and the remote thread's CPU per GB on the fetching rank
+("client") and the serving one.
 """
 
 from __future__ import annotations
@@ -256,7 +262,10 @@ def _cores_model(read: dict, anchor: float) -> dict:
     return out
 
 
-def run(size_mib: int, root: str, perf: str | None = None) -> dict:
+@contextlib.contextmanager
+def _cluster_with_dataset(root: str, size_mib: int, names: tuple[str, ...]):
+    """A 2-node cluster, a work directory it shares, a dataset prepped there of `names`, each
+    `size_mib` of random bytes, and the environment to submit with: (cluster, work, dest, env)."""
     sys.path.insert(0, str(REPO / "scripts" / "minicluster"))
     sys.path.insert(0, str(REPO / "tests"))
     from _harness import prep_cli
@@ -268,17 +277,68 @@ def run(size_mib: int, root: str, perf: str | None = None) -> dict:
         os.chmod(work, 0o755)
         src = work / "src"
         src.mkdir()
-        for name in ("a.bin", "b.bin"):
+        for name in names:
             with open(src / name, "wb") as f:
                 for _ in range(size_mib):
                     f.write(os.urandom(1 << 20))
         dest = prep_cli(src, work / "dest", "-p", "2", "--chunk-mib", str(CHUNK >> 20))
-        script = work / "bw.sbatch"
-        script.write_text(JOB.format(repo=REPO, out=work, dest=dest,
-                                       perf=f"--perf {work}" if perf else ""))
         env = c.env(PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
         for k in ("FANSTORE_STATE_DIR", "TMPDIR"):
             env.pop(k, None)
+        yield c, work, dest, env
+    finally:
+        c.stop(purge=True)
+
+
+def _transport_figures(t: dict) -> dict:
+    """One `_transport_bw` run: MB/s, ratios to its raw stream, remote threads' ms per GB."""
+    raw = t["raw_stream_MB_per_s"]
+    out = {"raw": raw}
+    for key, name in (("large", "python"), ("c_large", "c")):
+        d = t.get(key) or {}
+        if "MB_per_s" in d:
+            out[f"{name}_MB_per_s"] = d["MB_per_s"]
+            out[f"{name}_over_raw"] = d["MB_per_s"] / raw
+            out[f"{name}_client_remote_ms_per_GB"] = d["client_threads_ms_per_GB"].get("fsr-remote", 0)
+            out[f"{name}_server_remote_ms_per_GB"] = d["server_threads_ms_per_GB"].get("fsr-remote", 0)
+    return out
+
+
+def run_transport(runs: int, root: str, arms: list[str]) -> dict:
+    """`_transport_bw` `runs` times per arm (the job's environment, then each `--ab` one),
+    alternated in one job; each arm's medians."""
+    import statistics
+
+    with _cluster_with_dataset(root, 256, ("a.bin",)) as (c, work, dest, env):
+        names = ["default", *arms]
+        lines = ["#!/bin/bash", "set -uo pipefail", f"cd {REPO}"]
+        for i in range(runs):
+            for k, arm in enumerate(names):
+                prefix = "env " + " ".join(arm.split(",")) + " " if k else ""
+                lines.append(f"{prefix}srun -N2 --ntasks-per-node=1 --mpi=pmi2 python -m "
+                             f"bench._transport_bw {dest} --small 50 > {work}/t-{k}-{i}.json")
+        script = work / "transport.sbatch"
+        script.write_text("\n".join(lines) + "\n")
+        res = c.submit(script, "-N2", f"--chdir={work}", env=env, timeout=900)
+        out: dict = {"job": f"{res.state} exit {res.exit_code}", "runs": runs, "arms": {}}
+        for k, arm in enumerate(names):
+            figs = []
+            for i in range(runs):
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    figs.append(_transport_figures(json.loads((work / f"t-{k}-{i}.json").read_text())))
+            keys = sorted({key for f in figs for key in f})
+            out["arms"][arm] = {"runs": len(figs), "median": {
+                key: round(statistics.median(f[key] for f in figs if key in f), 2) for key in keys}}
+        if res.exit_code != 0:
+            out["output"] = res.output[-2000:]
+        return out
+
+
+def run(size_mib: int, root: str, perf: str | None = None) -> dict:
+    with _cluster_with_dataset(root, size_mib, ("a.bin", "b.bin")) as (c, work, dest, env):
+        script = work / "bw.sbatch"
+        script.write_text(JOB.format(repo=REPO, out=work, dest=dest,
+                                       perf=f"--perf {work}" if perf else ""))
         res = c.submit(script, "-N2", f"--chdir={work}", env=env, timeout=900)
         out: dict = {"job": f"{res.state} exit {res.exit_code}", "file_MiB": size_mib,
                      "load": os.getloadavg()}
@@ -298,13 +358,14 @@ def run(size_mib: int, root: str, perf: str | None = None) -> dict:
         if res.exit_code != 0:
             out["output"] = res.output[-2000:]
         return out
-    finally:
-        c.stop(purge=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("action", nargs="?", default="run", choices=["run", "read"])
+    ap.add_argument("action", nargs="?", default="run", choices=["run", "read", "transport"])
+    ap.add_argument("--runs", type=int, default=3, help="transport: runs per arm")
+    ap.add_argument("--ab", action="append", default=[], metavar="K=V[,K2=V2]",
+                    help="transport: another arm, with this environment")
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--dir", default="/var/tmp/slurm-bw")
     ap.add_argument("--mnt")
@@ -317,6 +378,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.action == "read":
         print(json.dumps(read_on_node(a.mnt, a.dest, a.rank, a.perf)))
+    elif a.action == "transport":
+        print(json.dumps(run_transport(a.runs, a.dir, a.ab), indent=1))
     else:
         print(json.dumps(run(a.size_mib, a.dir, a.perf), indent=1))
 
