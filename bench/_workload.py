@@ -73,10 +73,10 @@ _OPS = {"read": _read_items, "stat": _stat_items, "walkstat": _walkstat_items}
 def _child(op: str, items: Sequence[Item], barrier, q) -> None:  # pragma: no cover - in child
     try:
         barrier.wait(timeout=120)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         nbytes, nfiles = _OPS[op](items)
-        t1 = time.perf_counter()
-        q.put(("ok", nbytes, nfiles, t0, t1))
+        t1, c1 = time.perf_counter(), time.process_time()
+        q.put(("ok", nbytes, nfiles, t0, t1, c1 - c0))
     except BaseException as e:  # noqa: BLE001
         q.put(("err", repr(e), 0, 0.0, 0.0))
 
@@ -93,6 +93,7 @@ def run_parallel(op: str, shares: Sequence[Sequence[Item]], timeout: float) -> d
     err = None
     try:
         barrier.wait(timeout=60)
+        busy0 = _machine_ticks()
         t_end = time.monotonic() + timeout
         while len(results) < len(procs):
             left = t_end - time.monotonic()
@@ -105,6 +106,7 @@ def run_parallel(op: str, shares: Sequence[Sequence[Item]], timeout: float) -> d
                 if all(not p.is_alive() for p in procs) and q.empty():
                     err = "reader died"
                     break
+        busy1 = _machine_ticks()
     finally:
         for p in procs:
             p.join(timeout=0.5)
@@ -125,7 +127,22 @@ def run_parallel(op: str, shares: Sequence[Sequence[Item]], timeout: float) -> d
         "files": nfiles,
         "files_per_s": nfiles / dt,
         "MB_per_s": nbytes / dt / 1e6,
+        # the readers' own CPU between the barrier and their end, and the whole machine's
+        # (every CPU, kernel threads and interrupts too) from the barrier to the last result
+        "reader_cpu_s": sum(r[5] for r in results),
+        "machine_busy_s": (busy1[0] - busy0[0]) / _HZ,
+        "machine_idle_frac": (busy1[1] - busy0[1]) / max(busy1[1] - busy0[1] + busy1[0] - busy0[0], 1),
     }
+
+
+_HZ = os.sysconf("SC_CLK_TCK")
+
+
+def _machine_ticks() -> tuple[int, int]:
+    """(busy, idle) clock ticks of all CPUs from /proc/stat (idle includes iowait)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    return sum(v) - v[3] - v[4], v[3] + v[4]
 
 
 def make_shares(

@@ -7,10 +7,12 @@
  * time, the stream's, and the files done meanwhile (twenty-eighth session, docs/performance.md).
  *
  *   cc -O2 -o /tmp/cold_pass_model bench/cold_pass_model.c -lpthread
- *   /tmp/cold_pass_model FILE WINDOW_KIB HUGE GATE READERS THINK_US   (root: drops caches)
+ *   /tmp/cold_pass_model FILE WINDOW_KIB HUGE GATE READERS THINK_US [ADVICE]   (root: drops caches)
  *
  * WINDOW_KIB 0: no stream at all. GATE 1: the stream starts no window while a reader waits for
- * the disk. FILE must hold 2,000 x 64 KiB at least. */
+ * the disk. ADVICE: an madvise(2) advice for each window after MADV_HUGEPAGE (1, MADV_RANDOM:
+ * each fault reads one 2 MiB folio and nothing ahead; thirty-second session). FILE must hold
+ * 2,000 x 64 KiB at least. */
 #define _GNU_SOURCE
 #include <fcntl.h>
 #include <pthread.h>
@@ -28,7 +30,7 @@
 
 static const char *path;
 static size_t window;
-static int huge, gate, readers;
+static int huge, gate, readers, advice;
 static off_t size, slot; /* slot: one file's bytes */
 static double think, t0, stream_s;
 static atomic_int stream_done, waiting, next_file;
@@ -53,6 +55,8 @@ static void *stream(void *arg) {
         if (p != MAP_FAILED) {
             if (huge)
                 madvise(p, len, MADV_HUGEPAGE);
+            if (advice)
+                madvise(p, len, advice);
             madvise(p, len, MADV_POPULATE_READ);
             munmap(p, len);
         }
@@ -91,8 +95,8 @@ static void *reader(void *arg) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 7) {
-        fprintf(stderr, "usage: %s FILE WINDOW_KIB HUGE GATE READERS THINK_US\n", argv[0]);
+    if (argc != 7 && argc != 8) {
+        fprintf(stderr, "usage: %s FILE WINDOW_KIB HUGE GATE READERS THINK_US [ADVICE]\n", argv[0]);
         return 2;
     }
     path = argv[1];
@@ -101,6 +105,7 @@ int main(int argc, char **argv) {
     gate = atoi(argv[4]);
     readers = atoi(argv[5]) < 1 ? 1 : atoi(argv[5]) > 16 ? 16 : atoi(argv[5]);
     think = atof(argv[6]) * 1e-6;
+    advice = argc == 8 ? atoi(argv[7]) : 0;
     struct stat st;
     if (stat(path, &st) != 0 || st.st_size < (off_t)FILES * 65536) {
         fprintf(stderr, "%s: needs %d bytes\n", path, FILES * 65536);
@@ -134,9 +139,10 @@ int main(int argc, char **argv) {
     double pass = now() - t0;
     if (window != 0)
         pthread_join(s, NULL);
-    printf("window %zu KiB huge %d gate %d readers %d think %.0f us: pass %.0f ms (%.0f files/s), "
+    printf("window %zu KiB huge %d advice %d gate %d readers %d think %.0f us: pass %.0f ms "
+           "(%.0f files/s), "
            "stream %.0f ms, files during the stream %ld, read from the disk %ld\n",
-           window >> 10, huge, gate, readers, think * 1e6, pass * 1e3, FILES / pass, stream_s * 1e3,
+           window >> 10, huge, advice, gate, readers, think * 1e6, pass * 1e3, FILES / pass, stream_s * 1e3,
            atomic_load(&during), atomic_load(&direct));
     return 0;
 }
