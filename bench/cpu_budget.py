@@ -10,7 +10,8 @@ CPU, kernel threads and interrupts; 10 ms ticks, so a ~0.2 s pass on 2 CPUs is g
 and its idle share, and the rate the machine's CPUs would allow at that cost with none idle
 (CPUs / busy per file). Medians of the rounds last. With ``--need FILES_PER_S`` (a bar's rate:
 3x ratarmount's cold 4-reader figure, say) it also prints the busy CPU per file that rate
-leaves on this machine.
+leaves on this machine. ``--env K=V`` runs both fanstore-fuse systems with that daemon
+environment (``FANSTORE_FUSE_URING=1``, say).
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from .smallfile import Ext4Tree, FanMount, _pass
 SYSTEMS = ("ext4", "fanstore cold", "fanstore copy cached")
 
 
-def _mount(name: str, work: Path, src: Path, dest: Path, tag: str) -> object:
+def _mount(name: str, work: Path, src: Path, dest: Path, tag: str, env: dict) -> object:
     if name == "ext4":
         return Ext4Tree(src)
-    return FanMount(work, dest, tag, {}, copy_cached=name.endswith("copy cached"))
+    return FanMount(work, dest, tag, env, copy_cached=name.endswith("copy cached"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="/tmp/fanstore-bench-cost")
     ap.add_argument("--need", type=float, default=0.0, metavar="FILES_PER_S",
                     help="a rate to price: the busy CPU per file it leaves on this machine")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="daemon environment of both fanstore-fuse systems (repeatable)")
     args = ap.parse_args(argv)
+    env = dict(kv.split("=", 1) for kv in args.env)
     work = Path(args.work)
     src, dest, rels = prep_tree(work, args.files)
     files = [(r, (src / r).stat().st_size) for r in rels]
@@ -51,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for rnd in range(args.rounds):
             for name in SYSTEMS:
-                m = _mount(name, work, src, dest, f"cb{rnd}")
+                m = _mount(name, work, src, dest, f"cb{rnd}", env)
                 try:
                     r = _pass(m.root, files, m.pids, args.readers, True,  # type: ignore[attr-defined]
                               getattr(m, "warm_copy", None))
@@ -69,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         teardown_all()
     print(f"\nCPU BUDGET, {len(files)} files of 90-130 KB, {args.readers} readers, cold, "
-          f"{cpus} CPUs, median of {args.rounds} rounds (per file, us)")
+          f"{cpus} CPUs, median of {args.rounds} rounds (per file, us)"
+          + (f"; fanstore-fuse with {' '.join(args.env)}" if args.env else ""))
     print(f"  {'':22}{'files/s':>9}{'readers':>9}{'daemon':>8}{'machine':>9}{'idle %':>8}"
           f"{'ceiling files/s':>17}")
     for name, rs in rows.items():
