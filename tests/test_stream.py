@@ -102,13 +102,16 @@ def _wait_streamed(m, parts: list[Path], runs: int, rank: int = 0, base_bytes: i
 
 
 @pytest.mark.timeout(180)
-def test_cold_reads_stream_the_local_copy_into_the_page_cache(tmp_path, state_dir):
+@pytest.mark.parametrize("one_folio", ["1", "0"])
+def test_cold_reads_stream_the_local_copy_into_the_page_cache(tmp_path, state_dir, one_folio):
     """Reads that find the evicted copy cold start one stream, which reads the whole copy in;
-    evicted again, the copy is streamed again. Every file byte for byte, both times."""
+    evicted again, the copy is streamed again. Every file byte for byte, both times. With its
+    windows advised MADV_RANDOM (one 2 MiB folio per fault, the default) and without."""
     files = _tree(tmp_path / "src")
     dest = prep_cli(tmp_path / "src", tmp_path / "dest")
     local = tmp_path / "local"
-    with mounted(dest, tmp_path / "mnt", state_dir, local=local) as m:
+    with mounted(dest, tmp_path / "mnt", state_dir, local=local,
+                 env={"FANSTORE_STREAM_RANDOM": one_folio}) as m:
         parts = staged_copies(local)
         for k in (1, 2):
             time.sleep(0.3)  # past the gap a stream keeps after the last one (250 ms)

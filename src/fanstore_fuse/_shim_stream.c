@@ -21,6 +21,8 @@
  * (thirty-second session: p50 0.38 ms / p90 0.50 ms for a 112 KB O_DIRECT read meanwhile,
  * against 0.26-2.1 / 2.9-3.0 ms; cold 4-reader passes with FUSE over io_uring 11,993 against
  * 10,439 files/s, medians of 10 alternated rounds; on the /dev/fuse path inside the noise).
+ * Only on Linux 5.18 or later: before it, a fault of a VM_HUGEPAGE file mapping does not read a
+ * whole folio, and MADV_RANDOM would leave the stream one synchronous 4 KiB read per page.
  * FANSTORE_STREAM_RANDOM=0 leaves the read-ahead on.
  *
  * The disk cache of remote blobs (_shim_cache.c) is streamed the same way: its segment files
@@ -50,6 +52,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/utsname.h>
 #include <time.h>
 
 #include "_shim_blobs.h"
@@ -221,6 +224,15 @@ static void *stream_main(void *unused) {
     return NULL;
 }
 
+/* Whether the running kernel is at least major.minor. */
+static int kernel_at_least(int major, int minor) {
+    struct utsname u;
+    int a = 0, b = 0;
+    if (uname(&u) != 0 || sscanf(u.release, "%d.%d", &a, &b) != 2)
+        return 0;
+    return a > major || (a == major && b >= minor);
+}
+
 static void read_knob(void) {
     const char *k = getenv("FANSTORE_STREAM_IN");
     if (k != NULL && *k != '\0') {
@@ -231,7 +243,7 @@ static void read_knob(void) {
     const char *c = getenv("FANSTORE_STREAM_CACHE");
     with_cache = !(c != NULL && strcmp(c, "0") == 0);
     const char *r = getenv("FANSTORE_STREAM_RANDOM");
-    one_folio = !(r != NULL && strcmp(r, "0") == 0);
+    one_folio = !(r != NULL && strcmp(r, "0") == 0) && kernel_at_least(5, 18);
     knob_read = 1;
     if (fraction <= 0)
         __atomic_store_n(&quiet_until, INT64_MAX, __ATOMIC_RELAXED); /* off for good */
