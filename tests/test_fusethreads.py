@@ -218,6 +218,50 @@ def test_request_threads_run_sched_batch_unless_turned_off(tmp_path, state_dir, 
         assert c["c_thread_answered"] >= 2 * len(files), c
 
 
+def _thread_cpus(pid: int, prefix: str) -> dict[str, set[int]]:
+    """Each thread of `pid` whose name starts with `prefix`: the CPUs it may run on."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            if name.startswith(prefix):
+                out[name] = os.sched_getaffinity(int(tid))
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("knob,rank", [("", ""), ("0", ""), ("1", ""), ("1", "1")])
+def test_request_threads_pinned_one_per_cpu_where_cpus_are_few(tmp_path, state_dir, knob, rank):
+    """FANSTORE_FUSE_PIN: by default ("auto") the request threads are pinned one per CPU of the
+    daemon's affinity set when it has no more CPUs than they are (here: 2 request threads and
+    the overlap thread), from the node-local rank's offset (MPI_LOCALRANKID); "1" pins them
+    whatever the count, "0" never. Files read byte for byte either way."""
+    allowed = sorted(os.sched_getaffinity(0))
+    env = {"FANSTORE_FUSE_URING": "0", "FANSTORE_FUSE_OVERLAP_THREADS": "1",
+           **({"FANSTORE_FUSE_PIN": knob} if knob else {}),
+           **({"MPI_LOCALRANKID": rank} if rank else {})}
+    with _mount(tmp_path, state_dir, "2", env=env) as (m, files):
+        _read_and_write(m, files, 2, 1, 2)
+        st = m.state()
+        assert st is not None and st.pids
+        cpus = _thread_cpus(st.pids[0], "fanstore-fuse")
+        assert sorted(cpus) == ["fanstore-fuse0", "fanstore-fuse1", "fanstore-fuse2"], cpus
+        pin = len(allowed) >= 2 and knob != "0" and (knob == "1" or len(allowed) <= 3)
+        c = _shim(m)
+        if not pin:
+            assert all(v == set(allowed) for v in cpus.values()), (cpus, allowed)
+            assert c["c_fuse_pinned"] == 0, c
+        else:
+            base = int(rank or 0)
+            want = {f"fanstore-fuse{k}": {allowed[(base + k) % len(allowed)]} for k in range(3)}
+            assert cpus == want, (cpus, want)
+            assert c["c_fuse_pinned"] == 3, c
+        # Python's threads and the other C threads keep the whole set
+        others = _thread_cpus(st.pids[0], "")
+        assert all(v == set(allowed) for k, v in others.items()
+                   if not k.startswith("fanstore-fuse")), others
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("knob", ["", "0", "400"])
 def test_request_threads_poll_for_the_next_request_unless_turned_off(tmp_path, state_dir, knob):

@@ -76,8 +76,8 @@ def counts() -> dict[str, int]:
     opens, releases, getattrs, lingered, returns, busy = (
         shim.fast_counts() if hasattr(shim, "fast_counts") else (0,) * 6)
     (threads, on_threads, handed, batch, spins, spin_hits, spin_ns, extras, overlaps,
-     extra_reads) = (shim.fuse_thread_counts() if hasattr(shim, "fuse_thread_counts")
-                     else (0,) * 10)
+     extra_reads, pinned) = (shim.fuse_thread_counts() if hasattr(shim, "fuse_thread_counts")
+                             else (0,) * 11)
     queues, by_ring, elsewhere, ring_errors, contended, depth = (
         shim.fuse_uring_counts() if hasattr(shim, "fuse_uring_counts") else (0,) * 6)
     return {"c_opens": int(opens), "c_releases": int(releases), "c_getattrs": int(getattrs),
@@ -87,7 +87,7 @@ def counts() -> dict[str, int]:
             "c_fuse_batch": int(batch), "c_fuse_spins": int(spins),
             "c_fuse_spin_hits": int(spin_hits), "c_fuse_spin_ns": int(spin_ns),
             "c_fuse_overlap_threads": int(extras), "c_fuse_overlaps": int(overlaps),
-            "c_fuse_overlap_reads": int(extra_reads),
+            "c_fuse_overlap_reads": int(extra_reads), "c_fuse_pinned": int(pinned),
             "c_uring_queues": int(queues), "c_uring_requests": int(by_ring),
             "c_uring_commits_elsewhere": int(elsewhere), "c_uring_errors": int(ring_errors),
             "c_uring_contended": int(contended), "c_uring_depth": int(depth),

@@ -56,6 +56,16 @@
  * CPU hogs (docs/performance.md, fifteenth session). Fairness (the thread's share) is the same;
  * a request that blocks its reader (OPEN, READ) frees that reader's CPU at once anyway.
  *
+ * Pinned one per CPU where there are no more CPUs than request threads (FANSTORE_FUSE_PIN:
+ * "auto", the default; "1" always; "0" never): the first request thread and the overlap
+ * thread each keep one CPU of the process's affinity set (from the node-local rank's offset:
+ * MPI_LOCALRANKID, SLURM_LOCALID, OMPI_COMM_WORLD_LOCAL_RANK, so that local ranks do not
+ * share theirs). Left to the scheduler on 2 CPUs, the two threads often ran on the same one,
+ * and 4 readers blocked on them left the other idle: copy-cached 4-reader passes idled 19% of
+ * the CPUs against 10% pinned, 11,708 against 13,622 files/s, and cold ones 9,780 / 9,778
+ * against 10,355 / 11,095 (docs/performance.md, thirty-second session). With more CPUs than
+ * threads the scheduler's spreading is left alone. Status: c_fuse_pinned.
+ *
  * Before each blocking read a thread polls /dev/fuse for up to FANSTORE_FUSE_SPIN_US (default
  * SPIN_US_DEFAULT; 0: never), yielding the CPU to any task that wants it, but only while no CPU
  * is wanted by more tasks than it can run (the running count of /proc/loadavg). One reader's
@@ -130,6 +140,9 @@ static int end_res = 1;            /* 1: running; else what receive_buf returns 
 static unsigned long long answered, handed, spares;
 static int batch = 1;               /* FANSTORE_FUSE_BATCH (0: SCHED_OTHER as before) */
 static unsigned long long batched;  /* threads that run SCHED_BATCH */
+static int pin_n;                   /* CPUs to pin request threads to (0: none) */
+static int pin_cpu[MAX_THREADS];    /* the k-th request thread's CPU: pin_cpu[k % pin_n] */
+static unsigned long long pinned;   /* threads pinned */
 static pthread_mutex_t tlock = PTHREAD_MUTEX_INITIALIZER; /* running, tids, replaced, stopping */
 static int stopping;
 static int64_t mpi_since[MAX_THREADS]; /* ns of CLOCK_MONOTONIC the thread is inside MPI since; 0: not */
@@ -319,6 +332,13 @@ static void *thread_main(void *arg) {
         if (pthread_setschedparam(pthread_self(), SCHED_BATCH, &sp) == 0)
             __atomic_add_fetch(&batched, 1, __ATOMIC_RELAXED);
     }
+    if (pin_n > 0 && my_index >= 0 && my_index < wanted + extra_threads) { /* not spares */
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(pin_cpu[my_index % pin_n], &one);
+        if (pthread_setaffinity_np(pthread_self(), sizeof(one), &one) == 0)
+            __atomic_add_fetch(&pinned, 1, __ATOMIC_RELAXED);
+    }
     pthread_cleanup_push(free_buffer, &mem);
     for (;;) {
         if (my_extra >= 0 && park())
@@ -400,6 +420,38 @@ int fanstore_threads_spawn(pthread_t *tid, void *(*fn)(void *), void *arg, const
     return r;
 }
 
+/* This process's node-local rank, where a launcher says it (0 otherwise). */
+static int local_rank(void) {
+    static const char *const names[] = {"MPI_LOCALRANKID", "SLURM_LOCALID",
+                                        "OMPI_COMM_WORLD_LOCAL_RANK"};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        const char *v = getenv(names[i]);
+        if (v != NULL && *v >= '0' && *v <= '9')
+            return atoi(v);
+    }
+    return 0;
+}
+
+/* pin_n and pin_cpu for `threads` request threads (see the top of the file). */
+static void plan_pinning(int threads) {
+    pin_n = 0;
+    const char *k = getenv("FANSTORE_FUSE_PIN");
+    int always = k != NULL && strcmp(k, "1") == 0, never = k != NULL && strcmp(k, "0") == 0;
+    cpu_set_t set;
+    if (never || threads < 1 || sched_getaffinity(0, sizeof(set), &set) != 0)
+        return;
+    int cpus[MAX_THREADS], n = 0;
+    for (int c = 0; c < CPU_SETSIZE && n < MAX_THREADS; c++)
+        if (CPU_ISSET(c, &set))
+            cpus[n++] = c;
+    if (n < 2 || (!always && CPU_COUNT(&set) > threads))
+        return;
+    int base = local_rank(); /* local ranks start on different CPUs */
+    for (int i = 0; i < n; i++)
+        pin_cpu[i] = cpus[(base + i) % n];
+    pin_n = n;
+}
+
 static int spawn(int k) { /* thread k started (under tlock) */
     return fanstore_threads_spawn(&tids[k], thread_main, (void *)(intptr_t)k, "fanstore-fuse", k) == 0;
 }
@@ -445,6 +497,7 @@ static int start(struct fuse_session *se, int fd) {
                 close(park_fds[j]);
             extra_threads = 0;
         }
+    plan_pinning(wanted + extra_threads);
     __atomic_store_n(&overlap_until, 0, __ATOMIC_RELEASE);
     __atomic_store_n(&last_pid, 0, __ATOMIC_RELAXED);
     if (spin_ns > 0 && loadavg_fd < 0)
@@ -644,11 +697,12 @@ unsigned long long fanstore_threads_spares(void) { return __atomic_load_n(&spare
 
 /* fuse_thread_counts(): (threads running, requests answered on them, handed to trio, threads
  * started SCHED_BATCH, spins before a read, spins that found a request, ns spent in spins,
- * extra threads, times readers began to overlap, requests the extra threads read) */
+ * extra threads, times readers began to overlap, requests the extra threads read, threads
+ * pinned to a CPU) */
 PyObject *fanstore_py_fuse_thread_counts(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
-    return Py_BuildValue("(iKKKKKKiKK)", running - extra_threads,
+    return Py_BuildValue("(iKKKKKKiKKK)", running - extra_threads,
                          __atomic_load_n(&answered, __ATOMIC_RELAXED),
                          __atomic_load_n(&handed, __ATOMIC_RELAXED),
                          __atomic_load_n(&batched, __ATOMIC_RELAXED),
@@ -656,7 +710,8 @@ PyObject *fanstore_py_fuse_thread_counts(PyObject *self, PyObject *unused) {
                          __atomic_load_n(&spin_hits, __ATOMIC_RELAXED),
                          __atomic_load_n(&spin_ns_total, __ATOMIC_RELAXED), extra_threads,
                          __atomic_load_n(&overlap_starts, __ATOMIC_RELAXED),
-                         __atomic_load_n(&extra_reads, __ATOMIC_RELAXED));
+                         __atomic_load_n(&extra_reads, __ATOMIC_RELAXED),
+                         __atomic_load_n(&pinned, __ATOMIC_RELAXED));
 }
 
 /* fuse_queued(): whether a request waits in the queue for pyfuse3 (_fusequeue.waiting). */
