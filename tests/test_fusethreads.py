@@ -230,12 +230,12 @@ def _thread_cpus(pid: int, prefix: str) -> dict[str, set[int]]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("knob,rank", [("", ""), ("0", ""), ("1", ""), ("1", "1")])
+@pytest.mark.parametrize("knob,rank", [("", ""), ("0", ""), ("auto", ""), ("1", ""), ("1", "1")])
 def test_request_threads_pinned_one_per_cpu_where_cpus_are_few(tmp_path, state_dir, knob, rank):
-    """FANSTORE_FUSE_PIN: by default ("auto") the request threads are pinned one per CPU of the
-    daemon's affinity set when it has no more CPUs than they are (here: 2 request threads and
-    the overlap thread), from the node-local rank's offset (MPI_LOCALRANKID); "1" pins them
-    whatever the count, "0" never. Files read byte for byte either way."""
+    """FANSTORE_FUSE_PIN: "auto" pins the request threads one per CPU of the daemon's affinity
+    set when it has no more CPUs than they are (here: 2 request threads and the overlap
+    thread), from the node-local rank's offset (MPI_LOCALRANKID); "1" pins them whatever the
+    count; unset (the default) or "0" never. Files read byte for byte either way."""
     allowed = sorted(os.sched_getaffinity(0))
     env = {"FANSTORE_FUSE_URING": "0", "FANSTORE_FUSE_OVERLAP_THREADS": "1",
            **({"FANSTORE_FUSE_PIN": knob} if knob else {}),
@@ -246,7 +246,7 @@ def test_request_threads_pinned_one_per_cpu_where_cpus_are_few(tmp_path, state_d
         assert st is not None and st.pids
         cpus = _thread_cpus(st.pids[0], "fanstore-fuse")
         assert sorted(cpus) == ["fanstore-fuse0", "fanstore-fuse1", "fanstore-fuse2"], cpus
-        pin = len(allowed) >= 2 and knob != "0" and (knob == "1" or len(allowed) <= 3)
+        pin = len(allowed) >= 2 and (knob == "1" or (knob == "auto" and len(allowed) <= 3))
         c = _shim(m)
         if not pin:
             assert all(v == set(allowed) for v in cpus.values()), (cpus, allowed)

@@ -56,15 +56,18 @@
  * CPU hogs (docs/performance.md, fifteenth session). Fairness (the thread's share) is the same;
  * a request that blocks its reader (OPEN, READ) frees that reader's CPU at once anyway.
  *
- * Pinned one per CPU where there are no more CPUs than request threads (FANSTORE_FUSE_PIN:
- * "auto", the default; "1" always; "0" never): the first request thread and the overlap
+ * Pinned one per CPU on request (FANSTORE_FUSE_PIN: "auto", where there are no more CPUs than
+ * request threads; "1" always; unset or "0" never): the first request thread and the overlap
  * thread each keep one CPU of the process's affinity set (from the node-local rank's offset:
  * MPI_LOCALRANKID, SLURM_LOCALID, OMPI_COMM_WORLD_LOCAL_RANK, so that local ranks do not
  * share theirs). Left to the scheduler on 2 CPUs, the two threads often ran on the same one,
  * and 4 readers blocked on them left the other idle: copy-cached 4-reader passes idled 19% of
  * the CPUs against 10% pinned, 11,708 against 13,622 files/s, and cold ones 9,780 / 9,778
- * against 10,355 / 11,095 (docs/performance.md, thirty-second session). With more CPUs than
- * threads the scheduler's spreading is left alone. Status: c_fuse_pinned.
+ * against 10,355 / 11,095 (docs/performance.md, thirty-second session). But warm 4-reader
+ * passes, where only the first thread works, ran 4-15% slower pinned (bench-quick's warm 4r
+ * against squashfuse_ll fell to 0.95x), so it stays off by default; pinning only while the
+ * overlap thread reads is the next thing to try. With "auto" and more CPUs than threads the
+ * scheduler's spreading is left alone. Status: c_fuse_pinned.
  *
  * Before each blocking read a thread polls /dev/fuse for up to FANSTORE_FUSE_SPIN_US (default
  * SPIN_US_DEFAULT; 0: never), yielding the CPU to any task that wants it, but only while no CPU
@@ -436,7 +439,8 @@ static int local_rank(void) {
 static void plan_pinning(int threads) {
     pin_n = 0;
     const char *k = getenv("FANSTORE_FUSE_PIN");
-    int always = k != NULL && strcmp(k, "1") == 0, never = k != NULL && strcmp(k, "0") == 0;
+    int always = k != NULL && strcmp(k, "1") == 0;
+    int never = k == NULL || (strcmp(k, "auto") != 0 && !always);
     cpu_set_t set;
     if (never || threads < 1 || sched_getaffinity(0, sizeof(set), &set) != 0)
         return;
