@@ -263,6 +263,57 @@ def test_request_threads_pinned_one_per_cpu_where_cpus_are_few(tmp_path, state_d
 
 
 @pytest.mark.timeout(180)
+def test_request_threads_pinned_only_while_reads_overlap(tmp_path, state_dir):
+    """FANSTORE_FUSE_PIN=overlap: no pins while one reader reads; when 4 cold readers' READs
+    overlap, the first overlap thread pins every request thread one per CPU (c_fuse_pinned
+    counts them), and once the READs stop overlapping it gives them the whole set back before
+    it parks. Every byte compared."""
+    allowed = sorted(os.sched_getaffinity(0))
+    env = {"FANSTORE_FUSE_URING": "0", "FANSTORE_FUSE_PIN": "overlap"}
+    with _mount(tmp_path, state_dir, "", env=env) as (m, files):
+        st = m.state()
+        assert st is not None and st.pids
+        names = sorted(files)
+        paths = [m.path / rel for rel in names]
+        for rel in names:  # one reader: nothing overlaps, nothing pinned
+            assert (m.path / rel).read_bytes() == files[rel]
+        c = _shim(m)
+        assert c["c_fuse_overlaps"] == 0 and c["c_fuse_pinned"] == 0, c
+        assert all(v == set(allowed) for v in _thread_cpus(st.pids[0], "fanstore-fuse").values())
+        errors: list[str] = []
+        for _ in range(3):  # 4 cold readers at once; again if the machine ran them one by one
+            drop_page_cache(paths)
+            threads = _readers(m.path, files, 4, 1, errors)
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert not any(t.is_alive() for t in threads) and errors == [], errors
+            c = _shim(m)
+            if c["c_fuse_overlap_reads"] > 0:
+                break
+        assert c["c_fuse_overlaps"] >= 1, c
+        if len(allowed) < 2:  # one CPU: no overlap thread, nothing to pin
+            assert c["c_fuse_pinned"] == 0, c
+            return
+        threads_n = c["c_fuse_threads"] + c["c_fuse_overlap_threads"]
+        assert c["c_fuse_pinned"] >= threads_n, c
+        # one reader again, slowly: the overlap thread reads one of its requests, finds no
+        # overlap, and unpins everyone before it parks
+        deadline = time.monotonic() + 30
+        while True:
+            drop_page_cache(paths[:8])
+            for rel in names[:8]:
+                assert (m.path / rel).read_bytes() == files[rel]
+                time.sleep(0.03)
+            cpus = _thread_cpus(st.pids[0], "fanstore-fuse")
+            if all(v == set(allowed) for v in cpus.values()) or time.monotonic() > deadline:
+                break
+        assert all(v == set(allowed) for v in cpus.values()), (cpus, allowed)
+        assert "Traceback" not in m.log_text()
+
+
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("knob", ["", "0", "400"])
 def test_request_threads_poll_for_the_next_request_unless_turned_off(tmp_path, state_dir, knob):
     """After each request a thread polls /dev/fuse for up to FANSTORE_FUSE_SPIN_US (default

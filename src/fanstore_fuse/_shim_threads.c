@@ -65,9 +65,12 @@
  * the CPUs against 10% pinned, 11,708 against 13,622 files/s, and cold ones 9,780 / 9,778
  * against 10,355 / 11,095 (docs/performance.md, thirty-second session). But warm 4-reader
  * passes, where only the first thread works, ran 4-15% slower pinned (bench-quick's warm 4r
- * against squashfuse_ll fell to 0.95x), so it stays off by default; pinning only while the
- * overlap thread reads is the next thing to try. With "auto" and more CPUs than threads the
- * scheduler's spreading is left alone. Status: c_fuse_pinned.
+ * against squashfuse_ll fell to 0.95x), so "1" and "auto" are not the default. "overlap" pins
+ * only while READs overlap: the first overlap thread pins every request thread (those
+ * counted in `pinned` each time) when it leaves park() to read, and gives them the whole set
+ * back before it parks again, so warm passes (no overlapping READs) stay with the scheduler.
+ * With "auto" and more CPUs than threads the scheduler's spreading is left alone. Status:
+ * c_fuse_pinned (threads pinned, each time).
  *
  * Before each blocking read a thread polls /dev/fuse for up to FANSTORE_FUSE_SPIN_US (default
  * SPIN_US_DEFAULT; 0: never), yielding the CPU to any task that wants it, but only while no CPU
@@ -133,6 +136,7 @@ struct item {
 static int wanted;                 /* fuse_threads(n) */
 static int running;                /* threads started (0: pyfuse3 reads /dev/fuse itself) */
 static pthread_t tids[MAX_THREADS];
+static pid_t ktids[MAX_THREADS];       /* their kernel thread ids (0: not started or gone) */
 static struct fuse_session *tse;   /* the session they serve */
 static int dev_fd = -1, efd = -1;  /* /dev/fuse, and the eventfd pyfuse3 waits on */
 static size_t bufsize;
@@ -144,6 +148,9 @@ static unsigned long long answered, handed, spares;
 static int batch = 1;               /* FANSTORE_FUSE_BATCH (0: SCHED_OTHER as before) */
 static unsigned long long batched;  /* threads that run SCHED_BATCH */
 static int pin_n;                   /* CPUs to pin request threads to (0: none) */
+static int pin_dynamic;             /* FANSTORE_FUSE_PIN=overlap: only while READs overlap */
+static int pinned_now;              /* the overlap thread 0 pinned them all (its own state) */
+static cpu_set_t pin_all_cpus;      /* the affinity set before pinning */
 static int pin_cpu[MAX_THREADS];    /* the k-th request thread's CPU: pin_cpu[k % pin_n] */
 static unsigned long long pinned;   /* threads pinned */
 static pthread_mutex_t tlock = PTHREAD_MUTEX_INITIALIZER; /* running, tids, replaced, stopping */
@@ -305,15 +312,40 @@ static int overlapping(void) {
     return now_ns() < __atomic_load_n(&overlap_until, __ATOMIC_ACQUIRE);
 }
 
+/* FANSTORE_FUSE_PIN=overlap: the first overlap thread pins every request thread one per CPU
+ * when it starts reading (READs overlap), and gives them their whole set back when it parks.
+ * By kernel thread id (sched_setaffinity), not pthread_t: a thread that ended, even one joined
+ * by stop() meanwhile, is then an ESRCH, never a freed handle. */
+static void pin_all(int on) {
+    for (int k = 0; k < wanted + extra_threads && k < MAX_THREADS; k++) {
+        pid_t t = __atomic_load_n(&ktids[k], __ATOMIC_ACQUIRE);
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(pin_cpu[k % pin_n], &one);
+        if (t > 0 && sched_setaffinity(t, sizeof(cpu_set_t), on ? &one : &pin_all_cpus) == 0 && on)
+            __atomic_add_fetch(&pinned, 1, __ATOMIC_RELAXED);
+    }
+}
+
 /* An extra thread with nothing to do: sleeps on its eventfd until readers overlap again.
  * Returns 1 when it slept (or drained a stale wake-up), 0 when it should read now. */
 static int park(void) {
-    if (overlapping() || fanstore_remote_own_calls() > 0)
+    int manager = pin_dynamic && pin_n > 0 && my_extra == 0;
+    if (overlapping() || fanstore_remote_own_calls() > 0) {
+        if (manager && !pinned_now && overlapping()) {
+            pin_all(1);
+            pinned_now = 1;
+        }
         return 0; /* its own remote calls are answered by its wait below first */
+    }
     uint64_t v;
     (void)!read(park_fds[my_extra], &v, sizeof(v)); /* non-blocking: a stale wake-up gone */
     if (overlapping())
         return 0;
+    if (manager && pinned_now) {
+        pin_all(0);
+        pinned_now = 0;
+    }
     struct pollfd p = {.fd = park_fds[my_extra], .events = POLLIN};
     pthread_setcancelstate(PTHREAD_CANCEL_ENABLE, NULL);
     (void)poll(&p, 1, -1); /* a cancellation point, as read() below */
@@ -324,6 +356,8 @@ static int park(void) {
 static void *thread_main(void *arg) {
     my_index = (int)(intptr_t)arg;
     fanstore_c_thread = 1;
+    if (my_index >= 0 && my_index < MAX_THREADS)
+        __atomic_store_n(&ktids[my_index], (pid_t)gettid(), __ATOMIC_RELEASE);
     if (my_index >= wanted && my_index < wanted + extra_threads)
         my_extra = my_index - wanted;
     int queued = 0; /* requests found waiting at the first look, in a row (QUEUED_STREAK or
@@ -335,7 +369,7 @@ static void *thread_main(void *arg) {
         if (pthread_setschedparam(pthread_self(), SCHED_BATCH, &sp) == 0)
             __atomic_add_fetch(&batched, 1, __ATOMIC_RELAXED);
     }
-    if (pin_n > 0 && my_index >= 0 && my_index < wanted + extra_threads) { /* not spares */
+    if (pin_n > 0 && !pin_dynamic && my_index >= 0 && my_index < wanted + extra_threads) {
         cpu_set_t one;
         CPU_ZERO(&one);
         CPU_SET(pin_cpu[my_index % pin_n], &one);
@@ -440,10 +474,13 @@ static void plan_pinning(int threads) {
     pin_n = 0;
     const char *k = getenv("FANSTORE_FUSE_PIN");
     int always = k != NULL && strcmp(k, "1") == 0;
-    int never = k == NULL || (strcmp(k, "auto") != 0 && !always);
+    pin_dynamic = k != NULL && strcmp(k, "overlap") == 0;
+    pinned_now = 0;
+    int never = k == NULL || (strcmp(k, "auto") != 0 && !always && !pin_dynamic);
     cpu_set_t set;
     if (never || threads < 1 || sched_getaffinity(0, sizeof(set), &set) != 0)
         return;
+    pin_all_cpus = set;
     int cpus[MAX_THREADS], n = 0;
     for (int c = 0; c < CPU_SETSIZE && n < MAX_THREADS; c++)
         if (CPU_ISSET(c, &set))
@@ -542,6 +579,8 @@ static void stop(void) {
         else if (pthread_timedjoin_np(tids[k], NULL, &until) != 0)
             pthread_detach(tids[k]);
     __atomic_store_n(&running, 0, __ATOMIC_RELEASE);
+    for (int k = 0; k < MAX_THREADS; k++)
+        __atomic_store_n(&ktids[k], 0, __ATOMIC_RELEASE);
     for (int k = 0; k < extra_threads; k++)
         close(park_fds[k]);
     extra_threads = 0;
