@@ -230,12 +230,12 @@ def _thread_cpus(pid: int, prefix: str) -> dict[str, set[int]]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("knob,rank", [("", ""), ("0", ""), ("auto", ""), ("1", ""), ("1", "1")])
+@pytest.mark.parametrize("knob,rank", [("0", ""), ("auto", ""), ("1", ""), ("1", "1")])
 def test_request_threads_pinned_one_per_cpu_where_cpus_are_few(tmp_path, state_dir, knob, rank):
     """FANSTORE_FUSE_PIN: "auto" pins the request threads one per CPU of the daemon's affinity
     set when it has no more CPUs than they are (here: 2 request threads and the overlap
     thread), from the node-local rank's offset (MPI_LOCALRANKID); "1" pins them whatever the
-    count; unset (the default) or "0" never. Files read byte for byte either way."""
+    count; "0" never (unset: "overlap", the next test). Files read byte for byte either way."""
     allowed = sorted(os.sched_getaffinity(0))
     env = {"FANSTORE_FUSE_URING": "0", "FANSTORE_FUSE_OVERLAP_THREADS": "1",
            **({"FANSTORE_FUSE_PIN": knob} if knob else {}),
@@ -263,13 +263,14 @@ def test_request_threads_pinned_one_per_cpu_where_cpus_are_few(tmp_path, state_d
 
 
 @pytest.mark.timeout(180)
-def test_request_threads_pinned_only_while_reads_overlap(tmp_path, state_dir):
-    """FANSTORE_FUSE_PIN=overlap: no pins while one reader reads; when 4 cold readers' READs
+@pytest.mark.parametrize("knob", ["", "overlap"])
+def test_request_threads_pinned_only_while_reads_overlap(tmp_path, state_dir, knob):
+    """FANSTORE_FUSE_PIN=overlap (the default: unset): no pins while one reader reads; when 4 cold readers' READs
     overlap, the first overlap thread pins every request thread one per CPU (c_fuse_pinned
     counts them), and once the READs stop overlapping it gives them the whole set back before
     it parks. Every byte compared."""
     allowed = sorted(os.sched_getaffinity(0))
-    env = {"FANSTORE_FUSE_URING": "0", "FANSTORE_FUSE_PIN": "overlap"}
+    env = {"FANSTORE_FUSE_URING": "0", **({"FANSTORE_FUSE_PIN": knob} if knob else {})}
     with _mount(tmp_path, state_dir, "", env=env) as (m, files):
         st = m.state()
         assert st is not None and st.pids

@@ -56,8 +56,9 @@
  * CPU hogs (docs/performance.md, fifteenth session). Fairness (the thread's share) is the same;
  * a request that blocks its reader (OPEN, READ) frees that reader's CPU at once anyway.
  *
- * Pinned one per CPU on request (FANSTORE_FUSE_PIN: "auto", where there are no more CPUs than
- * request threads; "1" always; unset or "0" never): the first request thread and the overlap
+ * Pinned one per CPU (FANSTORE_FUSE_PIN: "auto", where there are no more CPUs than request
+ * threads; "1" always; "overlap", the default, as "auto" but only while READs overlap; "0"
+ * never): the first request thread and the overlap
  * thread each keep one CPU of the process's affinity set (from the node-local rank's offset:
  * MPI_LOCALRANKID, SLURM_LOCALID, OMPI_COMM_WORLD_LOCAL_RANK, so that local ranks do not
  * share theirs). Left to the scheduler on 2 CPUs, the two threads often ran on the same one,
@@ -65,8 +66,8 @@
  * the CPUs against 10% pinned, 11,708 against 13,622 files/s, and cold ones 9,780 / 9,778
  * against 10,355 / 11,095 (docs/performance.md, thirty-second session). But warm 4-reader
  * passes, where only the first thread works, ran 4-15% slower pinned (bench-quick's warm 4r
- * against squashfuse_ll fell to 0.95x), so "1" and "auto" are not the default. "overlap" pins
- * only while READs overlap: the first overlap thread pins every request thread (those
+ * against squashfuse_ll fell to 0.95x), so "1" and "auto" are not the default. "overlap" (the
+ * default where the variable is unset or empty; "0": never) pins only while READs overlap: the first overlap thread pins every request thread (those
  * counted in `pinned` each time) when it leaves park() to read, and gives them the whole set
  * back before it parks again, so warm passes (no overlapping READs) stay with the scheduler.
  * With "auto" and more CPUs than threads the scheduler's spreading is left alone. Status:
@@ -473,10 +474,12 @@ static int local_rank(void) {
 static void plan_pinning(int threads) {
     pin_n = 0;
     const char *k = getenv("FANSTORE_FUSE_PIN");
-    int always = k != NULL && strcmp(k, "1") == 0;
-    pin_dynamic = k != NULL && strcmp(k, "overlap") == 0;
+    if (k == NULL || *k == '\0')
+        k = "overlap"; /* the default */
+    int always = strcmp(k, "1") == 0;
+    pin_dynamic = strcmp(k, "overlap") == 0;
     pinned_now = 0;
-    int never = k == NULL || (strcmp(k, "auto") != 0 && !always && !pin_dynamic);
+    int never = strcmp(k, "auto") != 0 && !always && !pin_dynamic;
     cpu_set_t set;
     if (never || threads < 1 || sched_getaffinity(0, sizeof(set), &set) != 0)
         return;
