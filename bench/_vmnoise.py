@@ -37,7 +37,7 @@ DAMON = Path("/sys/kernel/mm/damon/admin/kdamonds")
 REPORTED_KIB = Path("/sys/module/page_reporting/parameters/reported_kib")
 
 
-def _damon_pageout_bytes() -> int | None:
+def damon_pageout_bytes() -> int | None:
     """Bytes paged out so far by every running kdamond's pageout schemes; None if none runs
     or the stats cannot be refreshed (not root)."""
     total, seen = 0, False
@@ -90,7 +90,7 @@ def _stolen_ms() -> int | None:
 def snapshot(damon: bool = False) -> dict[str, int | None]:
     snap = {"stolen": _stolen_ms(), "refaulted": _refaulted_bytes(), "reported": _reported_bytes()}
     if damon:
-        snap["damon_pageout"] = _damon_pageout_bytes()
+        snap["damon_pageout"] = damon_pageout_bytes()
     return snap
 
 

@@ -1,14 +1,23 @@
 """The page cache as tests see it: how many pages of a file range are resident (`mincore` on a
 shared mapping, which reads nothing in), evicting files' pages for sure, and how often anyone
-dropped it (`echo 1 or 3 > /proc/sys/vm/drop_caches`, counted as drop_pagecache in /proc/vmstat)."""
+dropped it (`echo 1 or 3 > /proc/sys/vm/drop_caches`, counted as drop_pagecache in /proc/vmstat),
+and how much the VM's DAMON `pageout` scheme reclaimed (bench/_vmnoise.py's count)."""
 
 from __future__ import annotations
 
 import ctypes
 import mmap
 import os
+import sys
 import time
 from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repository, for bench/
+
+from bench._vmnoise import damon_pageout_bytes  # noqa: E402  (re-exported for the tests)
+
+__all__ = ["damon_pageout_bytes", "drop_page_cache", "files_pages", "page_cache_drops",
+           "resident_pages", "staged_copies"]
 
 
 def resident_pages(fd: int, offset: int = 0, length: int | None = None) -> int:

@@ -265,10 +265,10 @@ def test_request_threads_pinned_one_per_cpu_where_cpus_are_few(tmp_path, state_d
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("knob", ["", "overlap"])
 def test_request_threads_pinned_only_while_reads_overlap(tmp_path, state_dir, knob):
-    """FANSTORE_FUSE_PIN=overlap (the default: unset): no pins while one reader reads; when 4 cold readers' READs
-    overlap, the first overlap thread pins every request thread one per CPU (c_fuse_pinned
-    counts them), and once the READs stop overlapping it gives them the whole set back before
-    it parks. Every byte compared."""
+    """FANSTORE_FUSE_PIN=overlap (the default: unset): no pins while one reader reads; when 4
+    cold readers' READs overlap, the first overlap thread pins every request thread one per CPU
+    (c_fuse_pinned counts them), and once the READs stop overlapping it gives them the whole
+    set back before it parks. Every byte compared."""
     allowed = sorted(os.sched_getaffinity(0))
     env = {"FANSTORE_FUSE_URING": "0", **({"FANSTORE_FUSE_PIN": knob} if knob else {})}
     with _mount(tmp_path, state_dir, "", env=env) as (m, files):
