@@ -229,6 +229,25 @@ def _thread_cpus(pid: int, prefix: str) -> dict[str, set[int]]:
     return out
 
 
+def _overlapping_cold_readers(m, files: dict[str, bytes], paths: list[Path]) -> dict[str, int]:
+    """4 readers at once over cold files, every byte compared; again (up to 3 passes) until
+    the overlap thread has read a request (the machine may run them one by one). The counters
+    after."""
+    errors: list[str] = []
+    for _ in range(3):
+        drop_page_cache(paths)
+        threads = _readers(m.path, files, 4, 1, errors)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads) and errors == [], errors
+        c = _shim(m)
+        if c["c_fuse_overlap_reads"] > 0:
+            break
+    return c
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("knob,rank", [("0", ""), ("auto", ""), ("1", ""), ("1", "1")])
 def test_request_threads_pinned_one_per_cpu_where_cpus_are_few(tmp_path, state_dir, knob, rank):
@@ -281,22 +300,11 @@ def test_request_threads_pinned_only_while_reads_overlap(tmp_path, state_dir, kn
         c = _shim(m)
         assert c["c_fuse_overlaps"] == 0 and c["c_fuse_pinned"] == 0, c
         assert all(v == set(allowed) for v in _thread_cpus(st.pids[0], "fanstore-fuse").values())
-        errors: list[str] = []
-        for _ in range(3):  # 4 cold readers at once; again if the machine ran them one by one
-            drop_page_cache(paths)
-            threads = _readers(m.path, files, 4, 1, errors)
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(120)
-            assert not any(t.is_alive() for t in threads) and errors == [], errors
-            c = _shim(m)
-            if c["c_fuse_overlap_reads"] > 0:
-                break
-        assert c["c_fuse_overlaps"] >= 1, c
+        c = _overlapping_cold_readers(m, files, paths)
         if len(allowed) < 2:  # one CPU: no overlap thread, nothing to pin
-            assert c["c_fuse_pinned"] == 0, c
+            assert c["c_fuse_overlap_threads"] == 0 and c["c_fuse_pinned"] == 0, c
             return
+        assert c["c_fuse_overlaps"] >= 1, c
         threads_n = c["c_fuse_threads"] + c["c_fuse_overlap_threads"]
         assert c["c_fuse_pinned"] >= threads_n, c
         # one reader again, slowly: the overlap thread reads one of its requests, finds no
@@ -360,18 +368,7 @@ def test_an_extra_thread_reads_only_while_readers_overlap(tmp_path, state_dir):
             drop_page_cache(paths)
         c = _shim(m)
         assert c["c_fuse_overlaps"] == 0 and c["c_fuse_overlap_reads"] == 0, c
-        errors: list[str] = []
-        for _ in range(3):  # 4 readers at once; again if the machine ran them one by one
-            drop_page_cache(paths)
-            threads = _readers(m.path, files, 4, 1, errors)
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(120)
-            assert not any(t.is_alive() for t in threads) and errors == [], errors
-            c = _shim(m)
-            if c["c_fuse_overlap_reads"] > 0:
-                break
+        c = _overlapping_cold_readers(m, files, paths)
         assert c["c_fuse_overlaps"] >= 1 and c["c_fuse_overlap_reads"] > 0, c
         assert "Traceback" not in m.log_text()
 
