@@ -58,8 +58,8 @@
  *
  * Pinned one per CPU (FANSTORE_FUSE_PIN: "auto", where there are no more CPUs than request
  * threads; "1" always; "overlap", the default, as "auto" but only while READs overlap; "0"
- * never): the first request thread and the overlap
- * thread each keep one CPU of the process's affinity set (from the node-local rank's offset:
+ * never): the first request thread and the overlap thread each keep one CPU of the process's
+ * affinity set (from the node-local rank's offset:
  * MPI_LOCALRANKID, SLURM_LOCALID, OMPI_COMM_WORLD_LOCAL_RANK, so that local ranks do not
  * share theirs). Left to the scheduler on 2 CPUs, the two threads often ran on the same one,
  * and 4 readers blocked on them left the other idle: copy-cached 4-reader passes idled 19% of
@@ -67,9 +67,11 @@
  * against 10,355 / 11,095 (docs/performance.md, thirty-second session). But warm 4-reader
  * passes, where only the first thread works, ran 4-15% slower pinned (bench-quick's warm 4r
  * against squashfuse_ll fell to 0.95x), so "1" and "auto" are not the default. "overlap" (the
- * default where the variable is unset or empty; "0": never) pins only while READs overlap: the first overlap thread pins every request thread (those
- * counted in `pinned` each time) when it leaves park() to read, and gives them the whole set
- * back before it parks again, so warm passes (no overlapping READs) stay with the scheduler.
+ * default where the variable is unset or empty) pins only while READs overlap: the first
+ * overlap thread pins every request thread (those counted in `pinned` each time) when it
+ * leaves park() to read, and gives them the whole set back before it parks again, so warm
+ * passes (no overlapping READs) stay with the scheduler; measured in docs/performance.md,
+ * thirty-third session.
  * With "auto" and more CPUs than threads the scheduler's spreading is left alone. Status:
  * c_fuse_pinned (threads pinned, each time).
  *
