@@ -11,7 +11,8 @@ and its idle share, and the rate the machine's CPUs would allow at that cost wit
 (CPUs / busy per file). Medians of the rounds last. With ``--need FILES_PER_S`` (a bar's rate:
 3x ratarmount's cold 4-reader figure, say) it also prints the busy CPU per file that rate
 leaves on this machine. ``--env K=V`` runs both fanstore-fuse systems with that daemon
-environment (``FANSTORE_FUSE_URING=1``, say).
+environment (``FANSTORE_FUSE_URING=1``, say); ``--ab K=V`` adds both again with it, interleaved
+in each round (an A/B of CPU per file, which 2 vCPUs distort less than files/s).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ SYSTEMS = ("ext4", "fanstore cold", "fanstore copy cached")
 def _mount(name: str, work: Path, src: Path, dest: Path, tag: str, env: dict) -> object:
     if name == "ext4":
         return Ext4Tree(src)
-    return FanMount(work, dest, tag, env, copy_cached=name.endswith("copy cached"))
+    return FanMount(work, dest, tag, env, copy_cached="copy cached" in name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,17 +46,23 @@ def main(argv: list[str] | None = None) -> int:
                     help="a rate to price: the busy CPU per file it leaves on this machine")
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="daemon environment of both fanstore-fuse systems (repeatable)")
+    ap.add_argument("--ab", action="append", default=[], metavar="KEY=VALUE[,K=V]",
+                    help="both fanstore-fuse systems again with this environment added")
     args = ap.parse_args(argv)
     env = dict(kv.split("=", 1) for kv in args.env)
+    envs = {name: env for name in SYSTEMS}
+    for ab in args.ab:
+        extra = dict(env, **dict(kv.split("=", 1) for kv in ab.split(",")))
+        envs.update({f"{name} {ab}": extra for name in SYSTEMS[1:]})
     work = Path(args.work)
     src, dest, rels = prep_tree(work, args.files)
     files = [(r, (src / r).stat().st_size) for r in rels]
     cpus = os.cpu_count() or 1
-    rows: dict[str, list[tuple[float, ...]]] = {s: [] for s in SYSTEMS}
+    rows: dict[str, list[tuple[float, ...]]] = {s: [] for s in envs}
     try:
         for rnd in range(args.rounds):
-            for name in SYSTEMS:
-                m = _mount(name, work, src, dest, f"cb{rnd}", env)
+            for k, (name, sys_env) in enumerate(envs.items()):
+                m = _mount(name, work, src, dest, f"cb{rnd}_{k}", sys_env)
                 try:
                     r = _pass(m.root, files, m.pids, args.readers, True,  # type: ignore[attr-defined]
                               getattr(m, "warm_copy", None))
@@ -78,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'':22}{'files/s':>9}{'readers':>9}{'daemon':>8}{'machine':>9}{'idle %':>8}"
           f"{'ceiling files/s':>17}")
     for name, rs in rows.items():
+        if len(name) > 22:
+            print(f"  {name}")
+            name = ""
         if rs:
             med = [statistics.median(c) for c in zip(*rs)]
             print(f"  {name:22}{med[0]:9,.0f}{med[1]:9.0f}{med[2]:8.0f}{med[3]:9.0f}{med[4]:8.1f}"
