@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from _harness import mounted, prep_cli, status_ranks
 
+OPENED = {"FANSTORE_NO_OPEN": "0"}  # these tests are of the OPEN requests (the old default)
 pytestmark = [pytest.mark.mount]
 
 
@@ -67,7 +68,7 @@ def _debug_mount(tmp_path: Path, state_dir):
     files = _tree(src)
     dest = prep_cli(src, tmp_path / "dest")
     with mounted(dest, tmp_path / "mnt", state_dir, local=tmp_path / "local",
-                 extra_args=["--debug"]) as m:
+                 extra_args=["--debug"], env=OPENED) as m:
         yield m, src, files
 
 
@@ -129,7 +130,7 @@ def test_write_intent_and_written_files_take_the_python_path(tmp_path, state_dir
     src = tmp_path / "src"
     files = _tree(src)
     dest = prep_cli(src, tmp_path / "dest")
-    with mounted(dest, tmp_path / "mnt", state_dir, local=tmp_path / "local") as m:
+    with mounted(dest, tmp_path / "mnt", state_dir, local=tmp_path / "local", env=OPENED) as m:
         f = m.path / "d" / "f03"
         assert f.read_bytes() == files["d/f03"]
         before = _shim(m)["c_opens"]
@@ -172,14 +173,14 @@ def test_fast_open_off_and_permissions(tmp_path, state_dir):
         os.chmod(src / "secret.txt", 0o600)
         dest = prep_cli(src, tmp_path / "dest")
         with mounted(dest, tmp_path / "off", state_dir, local=tmp_path / "l-off",
-                     env={"FANSTORE_FASTOPEN": "0"}) as m:
+                     env={"FANSTORE_FASTOPEN": "0", **OPENED}) as m:
             assert (m.path / "public.txt").read_bytes() == b"world readable\n"
             assert (m.path / "secret.txt").read_bytes() == b"owner only\n"
             assert _shim(m)["c_opens"] == 0 and _shim(m)["c_getattrs"] == 0
             assert "dataset opens in C: False" in m.log_text()
         mp = pub / "mnt"
         with mounted(dest, mp, tmp_path / "state-on", local=tmp_path / "l-on",
-                     extra_args=["-o", "allow_other"]) as m:
+                     extra_args=["-o", "allow_other"], env=OPENED) as m:
 
             def cat(name: str) -> subprocess.CompletedProcess[str]:
                 return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534",
@@ -208,7 +209,7 @@ def test_three_ranks_open_dataset_files_in_c(tmp_path, state_dir):
     files = _tree(src)
     dest = prep_cli(src, tmp_path / "dest")
     with mounted(dest, tmp_path / "mnt-{rank}", state_dir, local=tmp_path / "local-{rank}",
-                 ranks=3) as m:
+                 ranks=3, env=OPENED) as m:
         for mp in m.mountpoints:
             for _ in range(2):
                 for rel, body in files.items():

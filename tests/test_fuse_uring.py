@@ -34,6 +34,9 @@ pytestmark = [
 ]
 URING = {"FANSTORE_FUSE_URING": "1"}
 
+# tests counting OPEN/RELEASE requests answer them (FANSTORE_NO_OPEN=0; default: none sent)
+OPENED = {"FANSTORE_NO_OPEN": "0"}
+
 
 def _shim(m, rank: int = 0) -> dict[str, int]:
     return status_ranks(m.status())[rank]["fuse_shim"]
@@ -62,7 +65,7 @@ def _affinity(pid: int, prefix: str) -> list[set[int]]:
 
 @pytest.mark.timeout(240)
 def test_ring_threads_take_the_requests_while_files_are_written(tmp_path, state_dir):
-    with _mount(tmp_path, state_dir, debug=True) as (m, files):
+    with _mount(tmp_path, state_dir, debug=True, env=OPENED) as (m, files):
         _read_and_write(m, files, 4, 3, 60)
         c = _shim(m)
         cpus = os.sysconf("SC_NPROCESSORS_CONF")
@@ -102,7 +105,8 @@ def test_two_entries_per_queue_serve_concurrent_readers_and_a_writer(tmp_path, s
     """FANSTORE_FUSE_URING_DEPTH=2 (what a node with 128 CPUs gets): four readers and a
     writer hold more requests than a queue has entries; the rest wait in the kernel and every
     file still reads byte for byte."""
-    with _mount(tmp_path, state_dir, env={"FANSTORE_FUSE_URING_DEPTH": "2"}) as (m, files):
+    with _mount(tmp_path, state_dir, env={"FANSTORE_FUSE_URING_DEPTH": "2", **OPENED}) as (m,
+                                                                                  files):
         _read_and_write(m, files, 4, 2, 30)
         c = _shim(m)
         assert c["c_uring_depth"] == 2 and c["c_uring_errors"] == 0, c

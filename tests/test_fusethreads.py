@@ -23,6 +23,9 @@ from _pagecache import drop_page_cache
 
 pytestmark = [pytest.mark.mount]
 
+# tests counting OPEN/RELEASE requests answer them (FANSTORE_NO_OPEN=0; default: none sent)
+OPENED = {"FANSTORE_NO_OPEN": "0"}
+
 
 def _tree(src: Path) -> dict[str, bytes]:
     rng = random.Random(11)
@@ -143,7 +146,7 @@ def _uniques(log: str) -> collections.Counter:
 
 @pytest.mark.timeout(240)
 def test_threads_answer_dataset_requests_while_files_are_written(tmp_path, state_dir):
-    with _mount(tmp_path, state_dir, "4", debug=True) as (m, files):
+    with _mount(tmp_path, state_dir, "4", debug=True, env=OPENED) as (m, files):
         _read_and_write(m, files, 4, 3, 60)
         c = _shim(m)
         assert c["c_fuse_threads"] == 4, c
@@ -375,7 +378,7 @@ def test_an_extra_thread_reads_only_while_readers_overlap(tmp_path, state_dir):
 
 @pytest.mark.timeout(120)
 def test_threads_off_keeps_pyfuse3s_loop(tmp_path, state_dir):
-    with _mount(tmp_path, state_dir, "0") as (m, files):
+    with _mount(tmp_path, state_dir, "0", env=OPENED) as (m, files):
         _read_and_write(m, files, 2, 2, 12)
         c = _shim(m)
         assert c["c_fuse_threads"] == 0 and c["c_thread_answered"] == 0, c

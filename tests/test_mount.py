@@ -111,12 +111,20 @@ def test_random_preads_match(src_tree: Path, dest: Path, mount_factory):
         os.close(fd)
 
 
+def _open_and_write(path: Path, flags: int) -> None:
+    fd = os.open(path, flags)  # files open without OPEN (the default): the open succeeds
+    try:
+        os.write(fd, b"x")  # and the write fails
+    finally:
+        os.close(fd)
+
+
 def test_read_only(dest: Path, mount_factory):
     m = mount_factory(dest)
     p = m.path
     ops = [
-        lambda: os.open(p / "empty", os.O_WRONLY),
-        lambda: os.open(p / "empty", os.O_RDWR),
+        lambda: _open_and_write(p / "empty", os.O_WRONLY),
+        lambda: _open_and_write(p / "empty", os.O_RDWR),
         lambda: os.open(p / "empty", os.O_RDONLY | os.O_TRUNC),
         lambda: os.open(p / "new-file", os.O_WRONLY | os.O_CREAT, 0o644),
         lambda: os.mkdir(p / "newdir"),

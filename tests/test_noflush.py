@@ -1,5 +1,6 @@
-"""FOPEN_NOFLUSH: on the default (writable) mount, closing a file opened read-only sends no FUSE
-FLUSH; closing a written file still does, and commits it (close-to-open)."""
+"""FOPEN_NOFLUSH: on a writable mount that answers OPEN (`FANSTORE_NO_OPEN=0`), closing a file
+opened read-only sends no FUSE FLUSH; closing a written file still does, and commits it
+(close-to-open). Without OPEN (the default) no FLUSH is sent at all: tests/test_no_open.py."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_read_only_opens_are_not_flushed_written_files_are(tmp_path, state_dir):
         (src / "d" / name).write_bytes(body)
     dest = prep_cli(src, tmp_path / "dest")
     with mounted(dest, tmp_path / "mnt", state_dir, local=tmp_path / "local",
-                 extra_args=["--debug"]) as m:
+                 extra_args=["--debug"], env={"FANSTORE_NO_OPEN": "0"}) as m:  # OPEN answered
         for name, body in data.items():
             assert (m.path / "d" / name).read_bytes() == body
         ops = _ops_until(m, lambda ops: ops.count("RELEASE") >= 3)  # RELEASE is asynchronous

@@ -212,6 +212,10 @@ def test_two_ranks_race_creates_of_the_same_names(dest: Path, tmp_path: Path, mo
     for mp in mps:  # every rank reads each winner's bytes, no phantom empty file anywhere
         for n, data in expect.items():
             assert (mp / n).read_bytes() == data, (mp, n)
+    deadline = time.monotonic() + 10  # without OPEN, handles close once idle (IDLE_CLOSE)
+    while (any(st["writes"]["open_handles"] for st in status_ranks(m.status()))
+           and time.monotonic() < deadline):
+        time.sleep(0.2)
     for st in status_ranks(m.status()):
         assert st["writes"]["open_handles"] == 0
     out = tmp_path / "out"
@@ -263,6 +267,7 @@ def test_a_log_appended_on_one_rank_is_followed_on_the_others(dest: Path, tmp_pa
         for line in lines:
             with open(r2 / "logs" / "train.log", "a") as f:
                 f.write(line)
+            time.sleep(0.002)  # a paced log (without OPEN/FLUSH, 1,000 appends take ~0.3 s)
     finally:
         done.set()
         poller.join()

@@ -142,6 +142,9 @@ def test_sigkilled_daemon_leaves_a_dead_mount_that_umount_clears(small, tmp_path
             while not stop.is_set():
                 try:
                     (m.path / names[k % len(names)]).read_bytes()
+                    # files open without OPEN: cached files stay readable from the page cache
+                    # once the daemon is gone; a listing (OPENDIR) always asks it
+                    os.listdir(m.path)
                 except OSError as e:
                     errors.append(e.errno)
                     return

@@ -119,8 +119,18 @@ def test_written_on_one_rank_read_on_another_after_close(dest: Path, tmp_path: P
         os.unlink(r0 / "ckpt" / "epoch0.pt")
     assert ei.value.errno == errno.EPERM
     with pytest.raises(OSError) as ei:
-        open(r0 / "ckpt" / "epoch0.pt", "r+b")
+        open(r0 / "ckpt" / "epoch0.pt", "wb")  # the truncation
     assert ei.value.errno == errno.EPERM
+    # files open without OPEN (FANSTORE_NO_OPEN, the default): the open itself succeeds, the
+    # first write fails
+    fd = os.open(r0 / "ckpt" / "epoch0.pt", os.O_RDWR)
+    try:
+        with pytest.raises(OSError) as ei:
+            os.write(fd, b"x")
+        assert ei.value.errno == errno.EPERM
+    finally:
+        os.close(fd)
+    assert (r0 / "ckpt" / "epoch0.pt").read_bytes() == written["ckpt/epoch0.pt"]
     os.rename(r1 / "ckpt" / "epoch2.pt", r1 / "ckpt" / "last.pt")
     written["ckpt/last.pt"] = written.pop("ckpt/epoch2.pt")
     assert sorted(os.listdir(r0 / "ckpt")) == ["epoch0.pt", "epoch1.pt", "last.pt"]
@@ -176,6 +186,12 @@ def test_sigkill_then_recover_rescues_every_closed_file(dest: Path, tmp_path: Pa
         data = os.urandom(100_000 * (k + 1))
         (m.path / "out" / f"f{k}.bin").write_bytes(data)
         closed[f"out/f{k}.bin"] = data
+    # Files open without OPEN (the default): the daemon sees no close, and commits a written
+    # file once it was idle for IDLE_CLOSE (1 s); a crash within that second leaves it unclosed.
+    deadline = time.monotonic() + 15
+    while status_ranks(m.status())[0]["writes"]["commits"] < 5:
+        assert time.monotonic() < deadline, status_ranks(m.status())[0]["writes"]
+        time.sleep(0.1)
     f = open(m.path / "out" / "unclosed.bin", "wb")
     f.write(b"partial" * 1000)
     f.flush()
@@ -241,8 +257,8 @@ def test_fsx_style_random_ops_through_the_mount(dest: Path, tmp_path: Path, moun
 
 @pytest.mark.timeout(300)
 def test_dataset_reads_flow_while_a_1gb_checkpoint_commits(tmp_path: Path, mount_factory):
-    """close(2) of a 1 GiB checkpoint fsyncs and hashes it. Dataset listings and reads issued
-    after that close started must complete before it returns: an ordering, not a timing. The
+    """fsync(2) of a 1 GiB checkpoint fsyncs and hashes it. Dataset listings and reads issued
+    after that fsync started must complete before it returns: an ordering, not a timing. The
     checkpoint is rewritten at offset 0 last, so the commit hashes the whole file again."""
     src = tmp_path / "src"
     for d in range(4):
@@ -262,8 +278,9 @@ def test_dataset_reads_flow_while_a_1gb_checkpoint_commits(tmp_path: Path, mount
             os.pwrite(fd, b"!", 0)
         finally:
             closing.set()
-            os.close(fd)  # the commit: fsync + xxh3 of 1 GiB, then the journal
+            os.fsync(fd)  # the commit: fsync + xxh3 of 1 GiB, then the journal
             closed.set()
+            os.close(fd)  # (without OPEN, close does not wait for a commit: RELEASE does it)
 
     writer = threading.Thread(target=write_checkpoint)
     writer.start()

@@ -186,9 +186,10 @@ def compose(
     if writes is not None:
         shared = SharedWrites(rank, placement, transport, writes, peer_timeout)
         shared.register(table)
-        stageout_all.register(table, rank, writes.local_dir)  # `umount --stage-out` of all nodes
     view = MountView(node, writes, shared, os.getuid() if owner_uid is None else owner_uid,
                      board.gather)
+    if writes is not None:  # `umount --stage-out` of all nodes (files not closed yet committed)
+        stageout_all.register(table, rank, writes.local_dir, lambda: view.close_idle(0))
     warm = None
     if warm_metadata and placement.nranks > 1:
         async def warm() -> None:

@@ -84,6 +84,8 @@ def fuse_options(cfg: MountConfig) -> set[str]:
             if part.strip():
                 opts.add(part.strip())
     opts.discard("nonempty")
+    if not cfg.writable:  # the kernel refuses every write itself (files open without OPEN)
+        opts.add("ro")
     return opts
 
 
@@ -177,7 +179,8 @@ def _mount(cfg: MountConfig, m: _Mounted, view: MountView, settings: Settings) -
     opts = fuse_options(cfg)
     if cfg.debug:
         opts.add("debug")
-    if cfg.writable and settings.noflush:  # read-only mounts answer FLUSH with ENOSYS
+    view.no_open = bool(settings.no_open) and fastopen.no_open()  # before any OPEN comes
+    if cfg.writable and settings.noflush and not view.no_open:  # read-only: FLUSH is ENOSYS
         enable_noflush()
     fast_open = settings.fast_open and fastopen.enable(view.node.ns, ENTRY_TIMEOUT,
                                                        settings.fuse_linger_us,
@@ -194,8 +197,8 @@ def _mount(cfg: MountConfig, m: _Mounted, view: MountView, settings: Settings) -
     except RuntimeError as e:
         raise FanstoreError(mount_failure(str(e), opts)) from None
     m.mounted = True
-    log.info("FUSE operations patched by the C shim: %s; dataset opens in C: %s",
-             patched_sessions() > 0, bool(fast_open))
+    log.info("FUSE operations patched by the C shim: %s; dataset opens in C: %s; no OPEN: %s",
+             patched_sessions() > 0, bool(fast_open), view.no_open)
     set_readahead(m.mountpoint, cfg.readahead_kb)
 
 
@@ -350,6 +353,10 @@ def serve(cfg: MountConfig) -> int:
     code = 0
     assert m.parts is not None  # set by the setup, which succeeded on every rank
     side: list[Callable[[], Awaitable[None]]] = [pages.run]
+    if m.parts.view.no_open:
+        side.append(functools.partial(_prime_no_open, m.mountpoint, m.parts.view))
+        if cfg.writable:
+            side.append(m.parts.view.run_closer)  # no RELEASE: written files commit when idle
     if m.parts.remote is not None:  # every rank gets here, or none: the allgather said so
         c = CRemote.start(comm, ready.store, m.parts.remote, m.parts.disk_cache, cfg.peer_timeout)
         if c is not None:
@@ -372,6 +379,25 @@ def serve(cfg: MountConfig) -> int:
             group.remove()
         logging.shutdown()
     return code
+
+
+async def _prime_no_open(mountpoint: str, view: MountView) -> None:
+    """A side task: open and close one dataset file through the mount as soon as it serves,
+    so that the kernel takes `no_open` (that OPEN answered ENOSYS) and `no_flush` (that close's
+    FLUSH) before a reader does: no reader's close(2) ever needs the daemon then (ENOTCONN once
+    it is gone). Nothing happens without a readable dataset file."""
+    ns = view.node.ns
+    first = next((i for i in range(len(ns)) if ns.is_regular(i)), None)
+    if first is None:
+        return
+    path = os.path.join(mountpoint, os.fsdecode(ns.path(first)))
+
+    def touch() -> None:
+        with contextlib.suppress(OSError):
+            os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
+
+    with trio.move_on_after(30):
+        await trio.to_thread.run_sync(touch, abandon_on_cancel=True)
 
 
 def _stageout_requests(key: str, others: list[int], hosts: list[str], transport: Transport):

@@ -49,6 +49,17 @@ def enable(ns: Namespace, timeout: float, linger_us: int = 0, trio_total_us: int
     return True
 
 
+def no_open() -> bool:
+    """Answer every OPEN with ENOSYS from now on (before the session starts): the kernel then
+    opens files without asking the daemon, and the shim gives requests about such files their
+    inode as handle (`_shim_open.c`). False without the shim, which that needs."""
+    shim = _fastclose._shim
+    if shim is None or not hasattr(shim, "no_open"):
+        return False
+    shim.no_open(True)
+    return True
+
+
 def linger_with_trio() -> bool:
     """In the trio run: let the shim's request loop keep answering while trio has nothing to
     do (no runnable task, no other thread or signal waking it; see `_shim_open.c`). Uses
@@ -73,14 +84,15 @@ def counts() -> dict[str, int]:
     shim = _fastclose._shim
     if shim is None:
         return {}
-    opens, releases, getattrs, lingered, returns, busy = (
-        shim.fast_counts() if hasattr(shim, "fast_counts") else (0,) * 6)
+    opens, releases, getattrs, lingered, returns, busy, no_opens = (
+        shim.fast_counts() if hasattr(shim, "fast_counts") else (0,) * 7)
     (threads, on_threads, handed, batch, spins, spin_hits, spin_ns, extras, overlaps,
      extra_reads, pinned) = (shim.fuse_thread_counts() if hasattr(shim, "fuse_thread_counts")
                              else (0,) * 11)
     queues, by_ring, elsewhere, ring_errors, contended, depth = (
         shim.fuse_uring_counts() if hasattr(shim, "fuse_uring_counts") else (0,) * 6)
-    return {"c_opens": int(opens), "c_releases": int(releases), "c_getattrs": int(getattrs),
+    return {"c_opens": int(opens), "c_no_opens": int(no_opens), "c_releases": int(releases),
+            "c_getattrs": int(getattrs),
             "c_lingered": int(lingered), "c_trio_returns": int(returns),
             "c_trio_busy": int(busy), "c_fuse_threads": int(threads),
             "c_thread_answered": int(on_threads), "c_thread_handed": int(handed),

@@ -115,7 +115,10 @@ class Operations(pyfuse3.Operations):
         return self._attr(await self.view.getattr(inode))
 
     async def forget(self, inode_list) -> None:
-        return None  # inode numbers are stable for the life of the mount
+        # inode numbers are stable for the life of the mount; without OPEN, written files
+        # keep a store handle per inode until the kernel forgets it (MountView.forget)
+        if self.view.no_open:
+            await self.view.forget(inode for inode, _ in inode_list)
 
     @_translate
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:

@@ -44,6 +44,7 @@ OP_W_STAT = 9  # body = msgpack path -> msgpack entry
 OP_W_LIST = 10  # body = msgpack dir path -> msgpack [entries]
 OP_W_READ = 11  # arg = chunk, body = msgpack [path, n] -> n bytes at chunk*CHUNK (reader verifies)
 OP_STAGE_OUT = 12  # body = msgpack out dir -> msgpack stage-out summary of the rank's written files
+OP_W_SYNC = 13  # body = msgpack path -> msgpack entry (the writer commits and publishes it first)
 OP_NAMES = {
     OP_PING: "ping",
     OP_FETCH_BLOB: "fetch_blob",
@@ -57,6 +58,7 @@ OP_NAMES = {
     OP_W_LIST: "written_list",
     OP_W_READ: "written_read",
     OP_STAGE_OUT: "stage_out",
+    OP_W_SYNC: "written_sync",
 }
 
 

@@ -167,6 +167,7 @@ static PyMethodDef methods[] = {
     {"fuse_uring_counts", fanstore_py_fuse_uring_counts, METH_NOARGS, "fuse_uring_counts(): (io_uring queues live, requests taken from them, replies committed by another thread than the queue's, ring errors)"},
     {"fuse_thread_counts", fanstore_py_fuse_thread_counts, METH_NOARGS, "fuse_thread_counts(): (threads, answered on them, handed to trio, started SCHED_BATCH, spins, spins that found a request, ns spent spinning, extra threads woken by overlapping readers, overlaps, requests they read)"},
     {"fuse_queued", fanstore_py_fuse_queued, METH_NOARGS, "fuse_queued(): whether a request the threads read waits for pyfuse3"},
+    {"no_open", fanstore_no_open, METH_O, "no_open(on): answer every OPEN with ENOSYS (the kernel's no_open mode)"},
     {"linger_trio", fanstore_linger_trio, METH_VARARGS, "linger_trio(epoll_fd, runq): linger while trio has nothing to do"},
     FANSTORE_READDIR_METHODS
     FANSTORE_BLOBS_METHODS

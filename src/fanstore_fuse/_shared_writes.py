@@ -2,9 +2,13 @@
 
 The writer keeps the data on its own SSD (`WriteStore`). It publishes each entry to the
 entry's metadata owner (`Placement.locate_metadata(path)`) and to the owner of the parent
-directory (for listings) when it creates, commits (close/fsync), renames or removes it. A flush
-waits for both acknowledgements, so once close(2) returns on the writer, a lookup or open on
-any rank finds the final size and checksums. Readers fetch committed 4 MiB chunks from the
+directory (for listings) when it creates, commits (close/fsync), renames or removes it, and
+(without OPEN/FLUSH, see `MountView.no_open`) when a write makes a committed file dirty again.
+An entry published uncommitted (created or dirty) sends a reader's lookup to the writer
+(`OP_W_SYNC`): the writer commits what its daemon has (every WRITE of a closed file reached it
+before close(2) returned: the mount has no writeback cache), publishes and answers the entry.
+So once close(2) returns on the writer, a lookup on any rank finds the final size and
+checksums, with or without a FLUSH at close. Readers fetch committed 4 MiB chunks from the
 writer and verify each against the published xxh3 before a byte reaches them.
 
 A reader asks for a chunk *as long as in its own snapshot* (the commit it saw at open), so a
@@ -30,6 +34,7 @@ from ._messages import (
     OP_W_PUBLISH,
     OP_W_READ,
     OP_W_STAT,
+    OP_W_SYNC,
     OP_W_UNPUBLISH,
     Frame,
     HandlerTable,
@@ -62,14 +67,15 @@ class Published:
     xxh3: int = 0
     chunks: list[int] = field(default_factory=list)
     committed: bool = False
+    seq: int = 0  # the writer's order of descriptions: a late publish never undoes a newer one
 
     def wire(self) -> list[object]:
         return [self.path, self.kind, self.writer, self.mode, self.uid, self.gid, self.mtime_ns,
-                self.size, self.xxh3, self.chunks, self.committed]
+                self.size, self.xxh3, self.chunks, self.committed, self.seq]
 
     @classmethod
     def from_wire(cls, w: object) -> Published:
-        if not isinstance(w, list) or len(w) != 11 or not isinstance(w[0], bytes):
+        if not isinstance(w, list) or len(w) != 12 or not isinstance(w[0], bytes):
             raise PeerError("malformed published entry")
         return cls(*w)  # type: ignore[arg-type]
 
@@ -92,6 +98,12 @@ def _parent(path: bytes) -> bytes:
     return path.rpartition(b"/")[0]
 
 
+def _stale(old: Published | None, new: Published) -> bool:
+    """Whether `new` is an older description by the same writer than `old` (publishes of one
+    path travel concurrently and may arrive out of order)."""
+    return old is not None and old.writer == new.writer and old.seq > new.seq
+
+
 class SharedWrites:
     def __init__(self, rank: int, placement: Locator, transport: Transport,
                  store: WriteStore | None, timeout: float):
@@ -108,6 +120,7 @@ class SharedWrites:
         self._path_of: dict[int, bytes] = {}
         self._next = itertools.count(1)
         self._silent: dict[int, float] = {}  # ranks that timed out: skipped for a while
+        self._seq = itertools.count(1)  # Published.seq of this writer's descriptions
 
     # ------------------------------------------------------------ inodes of remote entries
 
@@ -138,11 +151,12 @@ class SharedWrites:
         assert self.store is not None
         rec = self.store.getattr(path)
         e = Published(path, rec.kind, self.rank, rec.mode, rec.uid, rec.gid, rec.mtime_ns,
-                      rec.size)
+                      rec.size, seq=next(self._seq))
         if rec.kind != KIND_DIR:
             try:
                 info = self.store.commit_info(path)
-                e.size, e.xxh3, e.chunks, e.committed = info.size, info.xxh3, info.chunks, True
+                e.size, e.xxh3, e.chunks = info.size, info.xxh3, info.chunks
+                e.committed = not self.store.is_dirty(path)  # dirty: readers ask (OP_W_SYNC)
             except NotCommitted:
                 e.size = 0
         else:
@@ -204,21 +218,38 @@ class SharedWrites:
 
     # ------------------------------------------------------------ reader side
 
-    async def stat(self, path: bytes) -> Published:
+    async def stat(self, path: bytes, current: bool = True) -> Published:
+        """The entry as its metadata owner knows it; with `current`, a file published
+        uncommitted (being written, or changed since its commit) as its writer has it now,
+        committed (`sync`)."""
         owner = self.placement.locate_metadata(path)
         if owner == self.rank:
             e = self.entries.get(path)
             if e is None:
                 raise NotFound(f"{path!r} not found")
-            return e
+        else:
+            e = await self._ask(owner, OP_W_STAT, path)
+        if current and not e.committed and e.kind != KIND_DIR and e.writer != self.rank:
+            e = await self.sync(e)
+        return e
+
+    async def _ask(self, rank: int, op: int, path: bytes) -> Published:
         try:
-            resp = await self.transport.request(owner, Frame(OP_W_STAT, 0, body=pack(path)),
-                                                self.timeout)
+            resp = await self.transport.request(rank, Frame(op, 0, body=pack(path)), self.timeout)
         except RemoteError as e:
             if e.errno == errno.ENOENT:
                 raise NotFound(f"{path!r} not found") from None
             raise
         return Published.from_wire(unpack(resp.body))
+
+    async def sync(self, e: Published) -> Published:
+        """An uncommitted entry as its writer has it now: the writer commits and publishes
+        it, then answers. A silent writer: the owner's entry, with a log line."""
+        try:
+            return await self._ask(e.writer, OP_W_SYNC, e.path)
+        except PeerError as err:
+            log.warning("%r: its writer (rank %d) did not answer: %s", e.path, e.writer, err)
+            return e
 
     async def listdir(self, path: bytes) -> list[Published]:
         owner = self.placement.locate_metadata(path)
@@ -289,6 +320,7 @@ class SharedWrites:
         table.register(OP_W_STAT, self._h_stat)
         table.register(OP_W_LIST, self._h_list)
         table.register(OP_W_READ, self._h_read)
+        table.register(OP_W_SYNC, self._h_sync)
 
     async def _h_publish(self, src: int, req: Frame) -> Frame:
         w = unpack(req.body)
@@ -299,10 +331,13 @@ class SharedWrites:
             old = self.entries.get(e.path)
             if exclusive and old is not None and old.writer != e.writer:
                 raise Exists(f"{e.path!r} exists (written on rank {old.writer})")
-            self.entries[e.path] = e
+            if not _stale(old, e):
+                self.entries[e.path] = e
         parent = _parent(e.path)
         if self.placement.locate_metadata(parent) == self.rank:
-            self.listings.setdefault(parent, {})[e.path] = e
+            listing = self.listings.setdefault(parent, {})
+            if not _stale(listing.get(e.path), e):
+                listing[e.path] = e
         return Frame(req.op, req.req_id)
 
     async def _h_unpublish(self, src: int, req: Frame) -> Frame:
@@ -321,6 +356,15 @@ class SharedWrites:
         if e is None:
             raise NotFound(f"{path!r} not found")
         return Frame(req.op, req.req_id, body=pack(e.wire()))
+
+    async def _h_sync(self, src: int, req: Frame) -> Frame:
+        """Writer side of `sync`: commit the file now if it changed, publish, describe."""
+        path = unpack(req.body)
+        if self.store is None or not isinstance(path, bytes) or not self.store.exists(path):
+            raise NotFound(f"{path!r} is not written here")
+        await trio.to_thread.run_sync(self.store.commit_now, path)
+        await self.publish(path)
+        return Frame(req.op, req.req_id, body=pack(self.describe(path).wire()))
 
     async def _h_list(self, src: int, req: Frame) -> Frame:
         path = unpack(req.body)

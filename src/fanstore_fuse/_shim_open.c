@@ -19,6 +19,15 @@
  * manifest's columns, a GETATTR of a dataset regular file is answered here with what
  * Operations._attr gives for it (fanstore_dataset_stat: nlink 1, rdev 0, blksize 128 KiB, all
  * times the mtime).
+ *
+ * NO OPEN (`no_open`, issue 11): every OPEN is answered ENOSYS, which sets the connection's
+ * `no_open`: the kernel then opens every regular file without asking (fh 0, keep_cache) and sends
+ * no RELEASE for it (CREATE still gets a handle and a RELEASE). So that the daemon can tell files
+ * apart without handles, a request whose fh is 0 gets the node id as fh before anyone reads it
+ * (`fh_of_inode`): a dataset file's READ then looks as it always did (fh == inode), and Python
+ * sees an inode where a handle would be (MountView). INIT drops atomic O_TRUNC in this mode: with
+ * it and no OPEN, the kernel would never tell the daemon about open(O_TRUNC); without it the
+ * truncation comes as a SETATTR.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -48,6 +57,10 @@ static reply_attr_t reply_attr;
 static reply_err_t reply_err; /* libfuse's fuse_reply_err (the shim does not link libfuse) */
 static double attr_timeout;
 static unsigned long long c_opens, c_releases, c_getattrs;
+static int no_open; /* answer every OPEN with ENOSYS (the kernel's no_open mode) */
+static unsigned long long c_no_opens;
+typedef void (*init_t)(void *, struct fuse_conn_info *);
+static init_t py_init;
 
 static int open_here(uint64_t ino, uint32_t flags) {
     return fanstore_dataset_serves(FANSTORE_SERVE_FILES, ino) && !(flags & WRITE_FLAGS);
@@ -61,6 +74,11 @@ static int getattr_here(uint64_t ino) {
 }
 
 static void open_in_c(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
+    if (no_open) {
+        __atomic_add_fetch(&c_no_opens, 1, __ATOMIC_RELAXED);
+        reply_err(req, ENOSYS);
+        return;
+    }
     if (open_here(ino, (uint32_t)fi->flags)) {
         fi->fh = ino;
         fi->keep_cache = 1;
@@ -119,7 +137,10 @@ struct in_header { /* struct fuse_in_header of <linux/fuse.h>: the kernel's ABI 
     uint32_t uid, gid, pid;
     uint16_t total_extlen, padding;
 };
-enum { OP_LOOKUP = 1, OP_GETATTR = 3, OP_OPEN = 14, OP_READ = 15, OP_RELEASE = 18, OP_IOCTL = 39 };
+enum { OP_LOOKUP = 1, OP_GETATTR = 3, OP_SETATTR = 4, OP_OPEN = 14, OP_READ = 15, OP_WRITE = 16,
+       OP_RELEASE = 18, OP_FSYNC = 20, OP_FLUSH = 25, OP_GETLK = 31, OP_SETLK = 32, OP_SETLKW = 33,
+       OP_IOCTL = 39, OP_POLL = 40, OP_FALLOCATE = 43, OP_LSEEK = 46, OP_COPY_FILE_RANGE = 47 };
+#define FATTR_FH_BIT (1u << 3) /* fuse_setattr_in.valid: fh is set */
 enum { LINGER_BATCH = 64 };
 #define LINGER_TOTAL_NS 1000000 /* and never longer than 1 ms in all before trio runs again */
 
@@ -158,11 +179,43 @@ static int thread_reads(void) {
     return on;
 }
 
+/* In no_open mode, a request about an open file whose fh is 0 (opened without OPEN) gets the
+ * node id as its fh, in the buffer itself, before C or Python looks at it. Handles are never 0
+ * (dataset: the inode; written: WRITE_FH + k; remote: REMOTE_FH + k), so this is idempotent. */
+static void fh_of_inode(const struct fuse_buf *buf, int len) {
+    if (!no_open || (buf->flags & FUSE_BUF_IS_FD) || buf->mem == NULL ||
+        len < (int)sizeof(struct in_header) + 16)
+        return;
+    struct in_header *h = buf->mem;
+    char *body = (char *)buf->mem + sizeof(*h);
+    size_t at = 0;
+    uint32_t valid;
+    switch (h->opcode) {
+    case OP_READ: case OP_WRITE: case OP_FSYNC: case OP_FLUSH: case OP_GETLK: case OP_SETLK:
+    case OP_SETLKW: case OP_IOCTL: case OP_POLL: case OP_FALLOCATE: case OP_LSEEK:
+    case OP_COPY_FILE_RANGE: /* fh first in each one's *_in struct (copy: fh_in) */
+        break;
+    case OP_SETATTR: /* fuse_setattr_in: valid, padding, fh */
+        memcpy(&valid, body, 4);
+        if (!(valid & FATTR_FH_BIT))
+            return;
+        at = 8;
+        break;
+    default:
+        return;
+    }
+    uint64_t fh;
+    memcpy(&fh, body + at, 8);
+    if (fh == 0 && h->nodeid != 0)
+        memcpy(body + at, &h->nodeid, 8);
+}
+
 /* Whether the handlers above answer this request in C (the same tests they make), on the trio
  * thread (`on_trio`) or on the request threads of _shim_threads.c (no Python, no GIL). */
 int fanstore_answered(const struct fuse_buf *buf, int len, int on_trio) {
     if ((buf->flags & FUSE_BUF_IS_FD) || buf->mem == NULL || len < (int)sizeof(struct in_header))
         return 0;
+    fh_of_inode(buf, len);
     const struct in_header *h = buf->mem;
     const char *body = (const char *)buf->mem + sizeof(*h);
     size_t left = (size_t)len - sizeof(*h);
@@ -176,6 +229,8 @@ int fanstore_answered(const struct fuse_buf *buf, int len, int on_trio) {
     case OP_GETATTR:
         return getattr_here(h->nodeid);
     case OP_OPEN:
+        if (no_open)
+            return 1; /* ENOSYS, once per connection in effect */
         if (left < 8)
             return 0;
         memcpy(&u32, body, 4); /* fuse_open_in.flags */
@@ -250,6 +305,8 @@ int fuse_session_receive_buf(struct fuse_session *se, struct fuse_buf *buf) {
         return -ENOSYS; /* libfuse not found: cannot happen once a session exists */
     int threaded = fanstore_threads_on(se); /* requests come from _shim_threads.c's queue */
     int res = threaded ? fanstore_threads_pop(buf) : real_receive(se, buf);
+    if (res > 0)
+        fh_of_inode(buf, res);
     if (linger_us <= 0 || real_process == NULL || session_fd == NULL)
         return res;
     int fd = threaded ? fanstore_threads_fd() : session_fd(se);
@@ -282,9 +339,19 @@ int fuse_session_receive_buf(struct fuse_session *se, struct fuse_buf *buf) {
     return res;
 }
 
+/* INIT: pyfuse3's answer, then (no_open) without atomic O_TRUNC (see the top of this file). */
+static void init_in_c(void *userdata, struct fuse_conn_info *conn) {
+    if (py_init != NULL)
+        py_init(userdata, conn);
+    if (no_open)
+        conn->want &= ~FUSE_CAP_ATOMIC_O_TRUNC;
+}
+
 void fanstore_patch_open(struct fuse_lowlevel_ops *ops) {
     reply_err = (reply_err_t)fanstore_libfuse_symbol("fuse_reply_err");
     no_ioctl = ops->ioctl == NULL;
+    py_init = ops->init;
+    ops->init = init_in_c;
     if (ops->open == NULL || ops->release == NULL || reply_err == NULL)
         return;
     py_open = ops->open;
@@ -318,8 +385,18 @@ PyObject *fanstore_fast_open(PyObject *self, PyObject *args) {
 PyObject *fanstore_fast_counts(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
-    return Py_BuildValue("(KKKKKK)", c_opens, c_releases, c_getattrs, lingered, trio_returns,
-                         trio_busy);
+    return Py_BuildValue("(KKKKKKK)", c_opens, c_releases, c_getattrs, lingered, trio_returns,
+                         trio_busy, c_no_opens);
+}
+
+/* no_open(on): before the session starts, answer every OPEN with ENOSYS (see the top). */
+PyObject *fanstore_no_open(PyObject *self, PyObject *arg) {
+    (void)self;
+    int on = PyObject_IsTrue(arg);
+    if (on < 0)
+        return NULL;
+    no_open = on;
+    Py_RETURN_NONE;
 }
 
 /* linger_trio(wakeup_fd, wakeup_fd2, runq): in the trio run, trio's wake-up sockets and run

@@ -86,6 +86,7 @@ void fanstore_reply_from_python(fuse_req_t req, PyObject *res, PyObject *who);
 PyObject *fanstore_fast_open(PyObject *self, PyObject *args);     /* _shim_open.c */
 PyObject *fanstore_fast_counts(PyObject *self, PyObject *unused); /* _shim_open.c */
 PyObject *fanstore_linger_trio(PyObject *self, PyObject *args);    /* _shim_open.c */
+PyObject *fanstore_no_open(PyObject *self, PyObject *arg);        /* _shim_open.c */
 PyObject *fanstore_py_fast_read(PyObject *self, PyObject *args);    /* _shim_read.c */
 PyObject *fanstore_py_read_start(PyObject *self, PyObject *fallback);
 PyObject *fanstore_py_read_counts(PyObject *self, PyObject *unused);

@@ -19,6 +19,7 @@ import signal
 import socket
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -48,13 +49,17 @@ def _write_json(path: str, obj: object) -> None:
 # ------------------------------------------------------------------ daemon side
 
 
-def register(table: HandlerTable, rank: int, local_dir: str) -> None:
-    """Serve OP_STAGE_OUT: stage this rank's committed written files into the asked dir."""
+def register(table: HandlerTable, rank: int, local_dir: str,
+             commit: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Serve OP_STAGE_OUT: stage this rank's committed written files into the asked dir, after
+    `commit` (files written without OPEN: their handles closed, which commits them)."""
 
     async def handle(src: int, req: Frame) -> Frame:
         out = unpack(req.body)
         if not isinstance(out, str) or not os.path.isabs(out):
             raise ProtocolError("stage-out needs an absolute directory")
+        if commit is not None:
+            await commit()
         summary = await trio.to_thread.run_sync(_stage_local, local_dir, out)
         summary.update(rank=rank, host=socket.gethostname(), local=local_dir)
         return Frame(req.op, req.req_id, body=pack(summary))

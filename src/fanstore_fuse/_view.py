@@ -7,7 +7,15 @@ Three sources, one inode space (`origin`):
 - files written on other ranks, `SharedWrites`: ``REMOTE_INODE_BASE + k``, read-only here (EPERM).
 
 File handles: a dataset file's handle is its inode, a written file's is ``WRITE_FH`` plus the
-store's handle, a remote file's ``REMOTE_FH`` plus a counter. The view answers lookups,
+store's handle, a remote file's ``REMOTE_FH`` plus a counter. Without OPEN (`no_open`, the
+default with the C shim: the kernel opens files without asking, and the shim puts the inode where
+the handle would be), requests about an open file carry its inode: a written file's go through
+one store handle per inode (`_implicit`: CREATE's, or opened at first use; closed, which commits
+and publishes, once unused for IDLE_CLOSE seconds by `run_closer`, when the kernel forgets the
+inode, or for a live stage-out), a remote file's read the snapshot its last lookup took
+(`_remote_files`). The kernel sends no RELEASE in this mode, not even for CREATE's files. A
+committed file's first write tells the other ranks it changed (a reader's lookup then asks the
+writer, `SharedWrites.sync`), so close-to-open holds without FLUSH. The view answers lookups,
 attributes, listings (dataset children first, then written ones the dataset does not have),
 opens, reads and writes, publishes written entries to the other ranks (create, close, rename,
 unlink), and computes the statfs figures. It raises domain errors only; `_fuse_ops` turns
@@ -25,7 +33,8 @@ import errno
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
 
 import trio
@@ -41,10 +50,10 @@ from ._errors import (
     ReadOnly,
     Unsupported,
 )
-from ._format import KIND_DIR
+from ._format import KIND_DIR, KIND_FILE
 from ._namespace import Record
 from ._node import Node
-from ._shared_writes import REMOTE_INODE_BASE, OpenRemote, SharedWrites
+from ._shared_writes import REMOTE_INODE_BASE, OpenRemote, Published, SharedWrites
 from ._view_meta import ViewMeta
 from .writes import WRITE_INODE_BASE, WriteStore
 
@@ -59,6 +68,8 @@ WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 LISTING_BATCH = 256
 SNAPSHOT_SECONDS = 1.0  # the written entries fetched at opendir serve that listing's end
 NAME_MAX = 255
+REMOTE_CHUNKS_KEPT = 8  # remote files read by inode that keep their last 4 MiB chunk
+IDLE_CLOSE = 1.0  # no_open: a written file's store handle unused this long is closed (committed)
 
 DATASET, HERE, ELSEWHERE = "dataset", "here", "elsewhere"
 T = TypeVar("T")
@@ -96,6 +107,12 @@ class MountView(ViewMeta):
         self.root_owner = None if owner_uid == 0 else (owner_uid, os.getgid())
         self._remote_open: dict[int, OpenRemote] = {}
         self._next_remote_fh = 0
+        # no_open: the kernel opens files without OPEN (no handle, no RELEASE, no FLUSH)
+        self.no_open = False
+        self._implicit: dict[int, int] = {}  # written inode: its store handle
+        self._used: dict[int, float] = {}  # written inode: when its handle was last used
+        self._pinned: set[int] = set()  # unlinked written inodes kept for their open files
+        self._remote_files: OrderedDict[int, OpenRemote] = OrderedDict()  # remote inode: snapshot
         self._snapshots: dict[int, tuple[float, list[Record]]] = {}  # inode: (at, written)
 
     @property
@@ -144,7 +161,19 @@ class MountView(ViewMeta):
         except NotFound:
             if self.shared is None:
                 raise
-            return self.shared.record(await self.shared.stat(path))
+            return self._remote_record(await self.shared.stat(path))
+
+    def _remote_record(self, e: Published) -> Record:
+        """The record of a file written elsewhere; without OPEN, also the snapshot that
+        reads of its inode use until the next lookup (the kernel drops its cached pages when
+        size or mtime changed)."""
+        assert self.shared is not None
+        r = self.shared.record(e)
+        if self.no_open and not r.is_dir:
+            f = self._remote_files.get(r.inode)
+            if f is None or (f.e.size, f.e.xxh3, f.e.chunks) != (e.size, e.xxh3, e.chunks):
+                self._remote_files[r.inode] = OpenRemote(e)
+        return r
 
     def _remote_path(self, inode: int) -> bytes:
         if self.shared is None:
@@ -180,7 +209,7 @@ class MountView(ViewMeta):
                 pass
         if self.shared is None:
             raise NotFound(f"{name!r} not found")
-        return self.shared.record(await self.shared.stat(_join(ppath, name)))
+        return self._remote_record(await self.shared.stat(_join(ppath, name)))
 
     async def lookup(self, parent: int, name: bytes) -> Record:
         _check_name(name)
@@ -202,7 +231,7 @@ class MountView(ViewMeta):
         o = origin(inode)
         if o == ELSEWHERE:
             assert self.shared is not None
-            return self.shared.record(await self.shared.stat(self._remote_path(inode)))
+            return self._remote_record(await self.shared.stat(self._remote_path(inode)))
         if o == HERE:
             return self._w().record_of(inode)  # also a file unlinked while open (nlink 0)
         return await self.node.record(inode - 1)
@@ -280,6 +309,8 @@ class MountView(ViewMeta):
 
     async def open(self, inode: int, flags: int) -> tuple[int, bool]:
         """(file handle, keep the page cache)."""
+        if self.no_open:  # the first OPEN's ENOSYS stops the kernel sending any
+            raise Unsupported("files open without OPEN", errno.ENOSYS)
         o = origin(inode)
         if o == ELSEWHERE:
             if flags & WRITE_FLAGS:
@@ -303,40 +334,146 @@ class MountView(ViewMeta):
             return await self.shared.read_open(self._remote_open[fh], off, size)
         if fh >= WRITE_FH:
             return await self._disk(self._w().read, fh - WRITE_FH, off, size, nbytes=size)
+        o = origin(fh)  # no_open: fh is the inode
+        if o == HERE:
+            return await self._disk(self._w().read, self._implicit_handle(fh), off, size,
+                                    nbytes=size)
+        if o == ELSEWHERE:
+            assert self.shared is not None
+            return await self.shared.read_open(await self._remote_file(fh), off, size)
         try:
             return await self.node.read(fh - 1, off, size)
         except FanstoreError as e:
             raise e.about(f"read {self.node.path(fh - 1)}") from e
 
+    def _store_handle(self, fh: int) -> int:
+        """The store handle behind a file handle (or, without OPEN, a written inode);
+        EROFS for the dataset, EPERM for a file written on another rank."""
+        if fh >= WRITE_FH:
+            return fh - WRITE_FH
+        o = origin(fh)
+        if o == HERE:
+            return self._implicit_handle(fh)
+        if o == ELSEWHERE:
+            raise NotPermitted("only the writing node may change this file")
+        raise ReadOnly("the dataset is read-only")
+
+    def _implicit_handle(self, inode: int) -> int:
+        """no_open: the one store handle for requests about written inode `inode`, opened
+        at first use (no await: one per inode), closed when the kernel forgets the inode."""
+        h = self._implicit.get(inode)
+        if h is None:
+            w = self._w()
+            h = w.open(w.path(inode), os.O_RDWR)
+            self._implicit[inode] = h
+        self._used[inode] = time.monotonic()
+        return h
+
+    async def _remote_file(self, inode: int) -> OpenRemote:
+        """no_open: the snapshot reads of a remote inode use (its last lookup's, or now)."""
+        f = self._remote_files.get(inode)
+        if f is None:
+            await self.getattr(inode)
+            f = self._remote_files[inode]
+        self._remote_files.move_to_end(inode)
+        for old in list(self._remote_files.values())[:-REMOTE_CHUNKS_KEPT]:
+            old.cache.clear()  # a 4 MiB chunk each: keep the last few files'
+        return f
+
     async def write(self, fh: int, off: int, buf: bytes) -> int:
-        if fh < WRITE_FH:
-            raise ReadOnly("the dataset is read-only")
-        return await self._disk(self._w().write, fh - WRITE_FH, off, buf, nbytes=len(buf))
+        h = self._store_handle(fh)
+        w = self._w()
+        n, dirtied = await self._disk(w.write_dirtying, h, off, buf, nbytes=len(buf))
+        if dirtied and self.no_open:  # a committed file changed: lookups elsewhere now ask
+            await self._publish_handle(h)  # this rank (before the write returns)
+        return n
 
     async def flush(self, fh: int) -> None:
         """close(2) of a written file commits it and publishes it to the other ranks before
         returning: that is what makes close-to-open hold. A no-op for dataset files; ENOSYS
-        on a read-only mount tells the kernel to stop sending flush at all."""
-        if not self.writable:
-            raise Unsupported("read-only mount", errno.ENOSYS)
+        on a read-only mount, or without OPEN (where close-to-open holds without it, see the
+        module docstring), tells the kernel to stop sending flush at all."""
+        if not self.writable or self.no_open:
+            raise Unsupported("no flush needed", errno.ENOSYS)
         if fh >= WRITE_FH:
             await self._disk(self._w().flush, fh - WRITE_FH)
-            await self._publish_fh(fh)
+            await self._publish_handle(fh - WRITE_FH)
 
     async def fsync(self, fh: int) -> None:
-        if fh >= WRITE_FH:
-            await self._disk(self._w().fsync, fh - WRITE_FH)
-            await self._publish_fh(fh)
+        if fh >= WRITE_FH or origin(fh) == HERE:
+            h = self._store_handle(fh)
+            await self._disk(self._w().fsync, h)
+            await self._publish_handle(h)
 
     async def release(self, fh: int) -> None:
         if REMOTE_FH <= fh < WRITE_FH:
             self._remote_open.pop(fh, None)
         elif fh >= WRITE_FH:
-            await self._disk(self._w().close, fh - WRITE_FH)
+            await self._close_handle(fh - WRITE_FH)
 
-    async def _publish_fh(self, fh: int) -> None:
+    async def _close_handle(self, h: int) -> None:
+        """Close a store handle (committing what it changed); without OPEN, whose FLUSH
+        published before, publish the commit (RELEASE comes after close(2) returned: readers
+        elsewhere that came first asked this rank, `SharedWrites.sync`)."""
+        w = self._w()
+        path = w.handle_path(h) if self.no_open else None
+        await self._disk(w.close, h)
+        if path is not None and self.shared is not None and w.exists(path):
+            try:
+                await self.shared.publish(path)
+            except FanstoreError as e:
+                log.warning("publishing %r after its last close: %s", path, e)
+
+    def _pin(self, path: bytes) -> None:
+        """no_open: a written file about to be unlinked or replaced keeps its data for the
+        processes that have it open (the kernel tells nobody: no OPEN, no RELEASE) through its
+        implicit handle, until the kernel forgets the inode."""
+        if not self.no_open:
+            return
+        w = self._w()
+        try:
+            if w.getattr(path).kind == KIND_FILE:
+                inode = w.inode(path)
+                self._implicit_handle(inode)
+                self._pinned.add(inode)
+        except FanstoreError as e:
+            log.warning("keeping %r for its open files: %s", path, e)
+
+    async def forget(self, inodes: Iterable[int]) -> None:
+        """The kernel dropped these inodes (no open file left): close their implicit store
+        handles and drop their remote snapshots."""
+        for inode in inodes:
+            self._remote_files.pop(inode, None)
+            self._pinned.discard(inode)
+            await self._close_implicit(inode)
+
+    async def _close_implicit(self, inode: int) -> None:
+        self._used.pop(inode, None)
+        h = self._implicit.pop(inode, None)
+        if h is not None:
+            try:
+                await self._close_handle(h)
+            except FanstoreError as e:
+                log.error("closing written inode %d: %s", inode, e)
+
+    async def close_idle(self, idle: float = IDLE_CLOSE) -> None:
+        """no_open: close (commit, publish) the store handles of written files unused for
+        `idle` seconds (0: all), except those keeping an unlinked file for its open files."""
+        now = time.monotonic()
+        for inode in [i for i, t in self._used.items()
+                      if now - t >= idle and i not in self._pinned]:
+            await self._close_implicit(inode)
+
+    async def run_closer(self) -> None:
+        """no_open: a written file is committed (and published) about IDLE_CLOSE seconds
+        after its last write or read, as close(2) would have; a side task of the daemon."""
+        while True:
+            await trio.sleep(IDLE_CLOSE / 2)
+            await self.close_idle()
+
+    async def _publish_handle(self, h: int) -> None:
         if self.shared is not None:
-            path = self._w().handle_path(fh - WRITE_FH)
+            path = self._w().handle_path(h)
             if path is not None:
                 await self.shared.publish(path)
 
@@ -362,7 +499,7 @@ class MountView(ViewMeta):
         path = await self._new_target(parent, name)
         if self.shared is not None:
             try:
-                await self.shared.stat(path)
+                await self.shared.stat(path, current=False)
                 raise Exists(f"{name!r} was written on another node")
             except NotFound:
                 pass
@@ -374,7 +511,7 @@ class MountView(ViewMeta):
             raise ReadOnly(f"{name!r} belongs to the read-only dataset")
         path = _join(await self._dir_path(parent), name)
         if self.shared is not None and not self._w().exists(path):
-            await self.shared.stat(path)  # NotFound if nobody wrote it
+            await self.shared.stat(path, current=False)  # NotFound if nobody wrote it
             raise NotPermitted(f"{name!r} was written on another node")
         return path
 
@@ -382,6 +519,8 @@ class MountView(ViewMeta):
                      gid: int) -> tuple[int, Record]:
         path = await self._new_path(parent, name)
         w = self._w()
+        if self.no_open:  # the inode's one handle serves every open; the kernel places appends
+            flags = (flags & ~(os.O_ACCMODE | os.O_APPEND)) | os.O_RDWR
         fh, rec = await self._disk(w.create, path, mode, flags, uid, gid)
         try:
             await self._publish(path, exclusive=True)
@@ -390,6 +529,10 @@ class MountView(ViewMeta):
             await self._disk(w.close, fh)
             await self._withdraw(path, e)
             raise
+        if self.no_open:  # no RELEASE will come: the inode's handle (fh 0: the inode)
+            self._implicit[rec.inode] = fh
+            self._used[rec.inode] = time.monotonic()
+            return 0, rec
         return WRITE_FH + fh, rec
 
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Record:
@@ -427,6 +570,8 @@ class MountView(ViewMeta):
         """unlink (a file) or rmdir (an empty directory) of a written entry."""
         path = await self._written_path(parent, name)
         w = self._w()
+        if not is_dir:
+            self._pin(path)
         await self._disk(w.rmdir if is_dir else w.unlink, path)
         if self.shared is not None:
             await self.shared.unpublish(path)
@@ -438,6 +583,8 @@ class MountView(ViewMeta):
             raise ReadOnly(f"{name_new!r} belongs to the read-only dataset")
         new = await self._new_target(parent_new, name_new)
         w = self._w()
+        if w.exists(new):
+            self._pin(new)  # replaced
         before = [p for p, *_ in w.walk() if p == old or p.startswith(old + b"/")]
         await self._disk(w.rename, old, new, noreplace)
         if self.shared is not None:

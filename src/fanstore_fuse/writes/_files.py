@@ -220,6 +220,27 @@ class FileStore(StoreBase):
             self._commit(e)
         h.changed = False
 
+    def write_dirtying(self, fh: int, off: int, data: bytes | memoryview) -> tuple[int, bool]:
+        """`write`, and whether it made a committed, unchanged file dirty (decided under
+        the lock with the write itself, so no commit can fall in between)."""
+        with self._lock:
+            e = self._file(self._handle(fh))
+            clean = not (e.dirty or e.commit is None)
+            return self.write(fh, off, data), clean
+
+    def commit_now(self, path: PathLike) -> None:
+        """Commit a written file if it changed since its last commit (another rank wants
+        its current bytes: close-to-open without FLUSH, see `SharedWrites`)."""
+        fh = self.open(path, os.O_RDONLY)  # holds the fd while it commits
+        try:
+            with self._lock:
+                e = self._file(self._handle(fh))
+                need = not e.unlinked and (e.dirty or e.commit is None)
+            if need:
+                self._commit(e)
+        finally:
+            self.close(fh)
+
     def close(self, fh: int) -> None:
         """release(): commit if this handle changed the file; the last close frees the fd."""
         with self._lock:

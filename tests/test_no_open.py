@@ -1,0 +1,143 @@
+"""Files open without OPEN (`FANSTORE_NO_OPEN`, the default, issue 11): the first OPEN is answered
+ENOSYS, after which the kernel opens every regular file without asking the daemon (no OPEN, no
+RELEASE; FLUSH answered ENOSYS once, then never sent). Dataset reads, written files (created,
+appended, overwritten, truncated, unlinked while open) and close-to-open across ranks must all
+keep their bytes, checked against what was written."""
+
+from __future__ import annotations
+
+import errno
+import importlib.util
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+from _harness import prep_cli, run_cli, status_ranks
+
+pytestmark = [pytest.mark.mount]
+
+
+def _need_shim() -> None:
+    if importlib.util.find_spec("fanstore_fuse._noflush") is None:
+        pytest.fail("the _noflush shim is not built (pip install -e . needs fuse3 headers and cc)")
+
+
+def _tree(src: Path) -> dict[str, bytes]:
+    files = {f"d/f{i:02d}": os.urandom(3000 + 997 * i) for i in range(12)}
+    for rel, body in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(body)
+    return files
+
+
+def _opcodes(m) -> list[str]:
+    return re.findall(r"opcode: (OPEN|FLUSH|RELEASE|CREATE) ", m.log_text())
+
+
+def _tree_bytes(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.timeout(120)
+def test_files_open_without_requests_and_keep_their_bytes(tmp_path: Path, mount_factory):
+    """One rank: dataset reads send one OPEN (ENOSYS) and at most one FLUSH in all, and no
+    RELEASE; a dataset file opened for writing fails at the write (EROFS) or, truncated, at the
+    open; written files keep every change, also one unlinked while open; stage-out has them."""
+    _need_shim()
+    src = tmp_path / "src"
+    files = _tree(src)
+    dest = prep_cli(src, tmp_path / "dest")
+    m = mount_factory(dest, local=str(tmp_path / "local"), extra_args=["--debug"])
+    p = m.path
+    for _ in range(3):
+        for rel, body in files.items():
+            assert (p / rel).read_bytes() == body, rel
+    ops = _opcodes(m)
+    assert ops.count("OPEN") == 1 and ops.count("FLUSH") <= 1 and "RELEASE" not in ops, ops
+    shim = status_ranks(m.status())[0]["fuse_shim"]
+    assert shim["c_no_opens"] == 1 and shim["c_opens"] == 0, shim
+    # the dataset stays read-only
+    fd = os.open(p / "d" / "f03", os.O_RDWR)
+    try:
+        with pytest.raises(OSError) as ei:
+            os.write(fd, b"x")
+        assert ei.value.errno == errno.EROFS
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as ei:
+        open(p / "d" / "f03", "wb")
+    assert ei.value.errno == errno.EROFS
+    assert (p / "d" / "f03").read_bytes() == files["d/f03"]
+    # written files: create, append, overwrite in place, truncate, read back
+    (p / "out").mkdir()
+    log = p / "out" / "train.log"
+    text = b""
+    for step in range(4):
+        with open(log, "ab") as f:  # the first creates (CREATE); the others open without OPEN
+            f.write(b"step %d\n" % step)
+        text += b"step %d\n" % step
+        assert log.read_bytes() == text
+    with open(log, "r+b") as f:
+        f.seek(5)
+        f.write(b"X")
+    text = text[:5] + b"X" + text[6:]
+    assert log.read_bytes() == text
+    with open(log, "wb") as f:  # O_TRUNC: a SETATTR (no atomic O_TRUNC without OPEN)
+        f.write(b"fresh\n")
+    assert log.read_bytes() == b"fresh\n"
+    os.truncate(log, 3)
+    assert log.read_bytes() == b"fre"
+    # unlinked while open (opened without OPEN): still readable through that open file
+    keep = p / "out" / "keep.bin"
+    body = os.urandom(200_000)
+    keep.write_bytes(body)
+    with open(keep, "rb") as f:
+        os.unlink(keep)
+        assert not keep.exists()
+        assert f.read() == body
+    ops = _opcodes(m)
+    assert ops.count("OPEN") == 1 and ops.count("FLUSH") <= 1, ops
+    out = tmp_path / "staged"
+    r = run_cli("umount", m.template, "--stage-out", out, env=m.env)
+    m.umount_result = r
+    assert _tree_bytes(out) == {"out/train.log": b"fre"}
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+def test_close_to_open_across_ranks_without_flush(tmp_path: Path, mount_factory):
+    """Rank 1 writes; right after each close(2), rank 0 reads the new bytes: a new file, one
+    rewritten in place with the same size (rank 0 had its old pages cached), appended, and
+    truncated and rewritten shorter. No FLUSH is needed: rank 0's lookup asks the writer."""
+    _need_shim()
+    src = tmp_path / "src"
+    _tree(src)
+    dest = prep_cli(src, tmp_path / "dest")
+    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=2,
+                      local=str(tmp_path / "local" / "{rank}"))
+    r0, r1 = (Path(mp) for mp in m.mountpoints)
+    f1, f0 = r1 / "ckpt.bin", r0 / "ckpt.bin"
+    a = os.urandom(300_000)
+    f1.write_bytes(a)
+    assert f0.read_bytes() == a
+    assert f0.read_bytes() == a  # cached on rank 0 now
+    b = os.urandom(len(a))
+    with open(f1, "r+b") as f:  # same size, opened without OPEN: its first write tells
+        f.write(b)
+    assert f0.stat().st_size == len(b)
+    assert f0.read_bytes() == b
+    with open(f1, "ab") as f:
+        f.write(b"tail")
+    assert f0.read_bytes() == b + b"tail"
+    with open(f1, "wb") as f:
+        f.write(b"short")
+    assert f0.read_bytes() == b"short"
+    time.sleep(0.2)  # rank 1's RELEASEs done or not: either way the same bytes
+    assert f0.read_bytes() == b"short"
+    out = tmp_path / "staged"
+    r = run_cli("umount", m.template, "--stage-out", out, env=m.env)
+    m.umount_result = r
+    assert _tree_bytes(out) == {"ckpt.bin": b"short"}
