@@ -491,3 +491,16 @@ def small_tmpfs(path: Path, size: str = "2m") -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def first_write_errno(path: str | os.PathLike[str]) -> int:
+    """Files open without OPEN (the default): opening a file this node may not change for
+    writing succeeds; the errno its first write fails with."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.write(fd, b"x")
+    except OSError as e:
+        return e.errno
+    finally:
+        os.close(fd)
+    raise AssertionError(f"{path}: the write succeeded")
