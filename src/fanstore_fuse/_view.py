@@ -69,7 +69,7 @@ LISTING_BATCH = 256
 SNAPSHOT_SECONDS = 1.0  # the written entries fetched at opendir serve that listing's end
 NAME_MAX = 255
 REMOTE_CHUNKS_KEPT = 8  # remote files read by inode that keep their last 4 MiB chunk
-IDLE_CLOSE = 1.0  # no_open: a written file's store handle unused this long is closed (committed)
+IDLE_CLOSE = 0.25  # no_open: a written file's store handle unused this long is closed (committed)
 
 DATASET, HERE, ELSEWHERE = "dataset", "here", "elsewhere"
 T = TypeVar("T")
@@ -112,6 +112,7 @@ class MountView(ViewMeta):
         self._implicit: dict[int, int] = {}  # written inode: its store handle
         self._used: dict[int, float] = {}  # written inode: when its handle was last used
         self._pinned: set[int] = set()  # unlinked written inodes kept for their open files
+        self._handles_added = trio.Event()  # wakes run_closer
         self._remote_files: OrderedDict[int, OpenRemote] = OrderedDict()  # remote inode: snapshot
         self._snapshots: dict[int, tuple[float, list[Record]]] = {}  # inode: (at, written)
 
@@ -366,6 +367,7 @@ class MountView(ViewMeta):
             w = self._w()
             h = w.open(w.path(inode), os.O_RDWR)
             self._implicit[inode] = h
+            self._handles_added.set()
         self._used[inode] = time.monotonic()
         return h
 
@@ -465,9 +467,13 @@ class MountView(ViewMeta):
             await self._close_implicit(inode)
 
     async def run_closer(self) -> None:
-        """no_open: a written file is committed (and published) about IDLE_CLOSE seconds
-        after its last write or read, as close(2) would have; a side task of the daemon."""
+        """no_open: a written file is committed (and published) IDLE_CLOSE to 1.5 x
+        IDLE_CLOSE seconds after its last write or read, as close(2) would have; a side task
+        of the daemon, asleep while no written file has a handle."""
         while True:
+            if not self._used:  # nothing to close: sleep until a handle is opened
+                self._handles_added = trio.Event()
+                await self._handles_added.wait()
             await trio.sleep(IDLE_CLOSE / 2)
             await self.close_idle()
 
@@ -532,6 +538,7 @@ class MountView(ViewMeta):
         if self.no_open:  # no RELEASE will come: the inode's handle (fh 0: the inode)
             self._implicit[rec.inode] = fh
             self._used[rec.inode] = time.monotonic()
+            self._handles_added.set()
             return 0, rec
         return WRITE_FH + fh, rec
 
