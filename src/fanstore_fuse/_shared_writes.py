@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import trio
 
 from ._errors import ChecksumError, Exists, FanstoreError, NotCommitted, NotFound, PeerError
-from ._format import KIND_DIR, checksum
+from ._format import KIND_DIR, KIND_FILE, checksum
 from ._messages import (
     OP_W_LIST,
     OP_W_PUBLISH,
@@ -229,7 +229,7 @@ class SharedWrites:
                 raise NotFound(f"{path!r} not found")
         else:
             e = await self._ask(owner, OP_W_STAT, path)
-        if current and not e.committed and e.kind != KIND_DIR and e.writer != self.rank:
+        if current and not e.committed and e.kind == KIND_FILE and e.writer != self.rank:
             e = await self.sync(e)
         return e
 
