@@ -29,12 +29,13 @@ ever done under, so they are called directly.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import TypeVar
 
 import trio
@@ -112,6 +113,7 @@ class MountView(ViewMeta):
         self._implicit: dict[int, int] = {}  # written inode: its store handle
         self._used: dict[int, float] = {}  # written inode: when its handle was last used
         self._pinned: set[int] = set()  # unlinked written inodes kept for their open files
+        self._busy: dict[int, int] = {}  # written inode: requests using its handle now
         self._handles_added = trio.Event()  # wakes run_closer
         self._remote_files: OrderedDict[int, OpenRemote] = OrderedDict()  # remote inode: snapshot
         self._snapshots: dict[int, tuple[float, list[Record]]] = {}  # inode: (at, written)
@@ -337,8 +339,8 @@ class MountView(ViewMeta):
             return await self._disk(self._w().read, fh - WRITE_FH, off, size, nbytes=size)
         o = origin(fh)  # no_open: fh is the inode
         if o == HERE:
-            return await self._disk(self._w().read, self._implicit_handle(fh), off, size,
-                                    nbytes=size)
+            with self._handle_for(fh) as h:
+                return await self._disk(self._w().read, h, off, size, nbytes=size)
         if o == ELSEWHERE:
             assert self.shared is not None
             return await self.shared.read_open(await self._remote_file(fh), off, size)
@@ -347,17 +349,28 @@ class MountView(ViewMeta):
         except FanstoreError as e:
             raise e.about(f"read {self.node.path(fh - 1)}") from e
 
-    def _store_handle(self, fh: int) -> int:
-        """The store handle behind a file handle (or, without OPEN, a written inode);
-        EROFS for the dataset, EPERM for a file written on another rank."""
+    @contextlib.contextmanager
+    def _handle_for(self, fh: int) -> Iterator[int]:
+        """The store handle behind a file handle (or, without OPEN, a written inode), which
+        `run_closer` leaves open while the caller uses it; EROFS for the dataset, EPERM for a
+        file written on another rank."""
         if fh >= WRITE_FH:
-            return fh - WRITE_FH
+            yield fh - WRITE_FH
+            return
         o = origin(fh)
-        if o == HERE:
-            return self._implicit_handle(fh)
         if o == ELSEWHERE:
             raise NotPermitted("only the writing node may change this file")
-        raise ReadOnly("the dataset is read-only")
+        if o != HERE:
+            raise ReadOnly("the dataset is read-only")
+        h = self._implicit_handle(fh)
+        self._busy[fh] = self._busy.get(fh, 0) + 1
+        try:
+            yield h
+        finally:
+            left = self._busy.pop(fh) - 1
+            if left:
+                self._busy[fh] = left
+            self._used[fh] = time.monotonic()
 
     def _implicit_handle(self, inode: int) -> int:
         """no_open: the one store handle for requests about written inode `inode`, opened
@@ -383,11 +396,11 @@ class MountView(ViewMeta):
         return f
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
-        h = self._store_handle(fh)
         w = self._w()
-        n, dirtied = await self._disk(w.write_dirtying, h, off, buf, nbytes=len(buf))
-        if dirtied and self.no_open:  # a committed file changed: lookups elsewhere now ask
-            await self._publish_handle(h)  # this rank (before the write returns)
+        with self._handle_for(fh) as h:
+            n, dirtied = await self._disk(w.write_dirtying, h, off, buf, nbytes=len(buf))
+            if dirtied and self.no_open:  # a committed file changed: lookups elsewhere now
+                await self._publish_handle(h)  # ask this rank (before the write returns)
         return n
 
     async def flush(self, fh: int) -> None:
@@ -403,9 +416,9 @@ class MountView(ViewMeta):
 
     async def fsync(self, fh: int) -> None:
         if fh >= WRITE_FH or origin(fh) == HERE:
-            h = self._store_handle(fh)
-            await self._disk(self._w().fsync, h)
-            await self._publish_handle(h)
+            with self._handle_for(fh) as h:
+                await self._disk(self._w().fsync, h)
+                await self._publish_handle(h)
 
     async def release(self, fh: int) -> None:
         if REMOTE_FH <= fh < WRITE_FH:
@@ -460,10 +473,11 @@ class MountView(ViewMeta):
 
     async def close_idle(self, idle: float = IDLE_CLOSE) -> None:
         """no_open: close (commit, publish) the store handles of written files unused for
-        `idle` seconds (0: all), except those keeping an unlinked file for its open files."""
+        `idle` seconds (0: all), except those in use or keeping an unlinked file for its open
+        files."""
         now = time.monotonic()
         for inode in [i for i, t in self._used.items()
-                      if now - t >= idle and i not in self._pinned]:
+                      if now - t >= idle and i not in self._pinned and i not in self._busy]:
             await self._close_implicit(inode)
 
     async def run_closer(self) -> None:
