@@ -246,3 +246,36 @@ async def test_a_users_mount_shows_its_root_as_the_users(dest, tmp_path):
         finally:
             p.close()
     blobs.close()
+
+
+async def test_without_open_a_written_file_is_one_handle_closed_when_idle(parts, monkeypatch):
+    """no_open (the daemon's default): CREATE answers handle 0 and later requests carry the
+    inode; the file's one store handle is closed (committed) once idle, never while a request
+    uses it (a slow write here: close_idle(0) meanwhile leaves it open)."""
+    ops, view, store = parts
+    view.no_open = True
+    d = await resolve(ops, b"a/b")
+    info, attr = await ops.create(d, b"idle.bin", 0o100644, os.O_WRONLY | os.O_CREAT, CTX)
+    ino = attr.st_ino
+    assert info.fh == 0 and store.status()["open_handles"] == 1
+    real = store.write_dirtying
+
+    def slow(*args):
+        import time
+
+        time.sleep(0.3)
+        return real(*args)
+
+    monkeypatch.setattr(store, "write_dirtying", slow)
+    async with trio.open_nursery() as n:
+        n.start_soon(ops.write, ino, 0, b"y" * 100_000)  # in a worker thread for 0.3 s
+        await trio.sleep(0.1)
+        await view.close_idle(0)  # the write holds the handle
+        assert store.status()["open_handles"] == 1
+    assert store.status()["commits"] == 0
+    await view.close_idle(0)
+    assert store.status()["open_handles"] == 0 and store.status()["commits"] == 1
+    assert await ops.read(ino, 0, 200_000) == b"y" * 100_000  # opened again at first use
+    with pytest.raises(pyfuse3.FUSEError) as ei:
+        await ops.flush(ino)  # ENOSYS: the kernel stops sending FLUSH
+    assert ei.value.errno == errno.ENOSYS
