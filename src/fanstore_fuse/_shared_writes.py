@@ -172,10 +172,11 @@ class SharedWrites:
         handler = {OP_W_PUBLISH: self._h_publish, OP_W_UNPUBLISH: self._h_unpublish}[op]
         return await handler(self.rank, Frame(op, 0, body=body))
 
-    async def publish(self, path: bytes, exclusive: bool = False) -> None:
+    async def publish(self, path: bytes, exclusive: bool = False) -> Published:
         """Tell the path's owner and the parent's owner; both must acknowledge. An exclusive
         publish (create, mkdir) asks the path's owner first, the one arbiter of a name: only
-        a winner reaches the parent's listing (Exists for a name another rank holds)."""
+        a winner reaches the parent's listing (Exists for a name another rank holds). Returns
+        what it published."""
         e = self.describe(path)
         body = pack([e.wire(), exclusive])
         owner = self.placement.locate_metadata(path)
@@ -184,6 +185,7 @@ class SharedWrites:
             await self._publish_to([owner], path, body)
             owners.discard(owner)
         await self._publish_to(sorted(owners), path, body)
+        return e
 
     async def _publish_to(self, ranks: list[int], path: bytes, body: bytes) -> None:
         errors: list[FanstoreError] = []
@@ -363,8 +365,8 @@ class SharedWrites:
         if self.store is None or not isinstance(path, bytes) or not self.store.exists(path):
             raise NotFound(f"{path!r} is not written here")
         await trio.to_thread.run_sync(self.store.commit_now, path)
-        await self.publish(path)
-        return Frame(req.op, req.req_id, body=pack(self.describe(path).wire()))
+        e = await self.publish(path)
+        return Frame(req.op, req.req_id, body=pack(e.wire()))
 
     async def _h_list(self, src: int, req: Frame) -> Frame:
         path = unpack(req.body)

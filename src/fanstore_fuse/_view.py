@@ -115,7 +115,8 @@ class MountView(ViewMeta):
         self._pinned: set[int] = set()  # unlinked written inodes kept for their open files
         self._busy: dict[int, int] = {}  # written inode: requests using its handle now
         self._handles_added = trio.Event()  # wakes run_closer
-        self._remote_files: OrderedDict[int, OpenRemote] = OrderedDict()  # remote inode: snapshot
+        self._remote_files: dict[int, OpenRemote] = {}  # remote inode: snapshot
+        self._remote_read: OrderedDict[int, None] = OrderedDict()  # the last ones read
         self._snapshots: dict[int, tuple[float, list[Record]]] = {}  # inode: (at, written)
 
     @property
@@ -390,9 +391,12 @@ class MountView(ViewMeta):
         if f is None:
             await self.getattr(inode)
             f = self._remote_files[inode]
-        self._remote_files.move_to_end(inode)
-        for old in list(self._remote_files.values())[:-REMOTE_CHUNKS_KEPT]:
-            old.cache.clear()  # a 4 MiB chunk each: keep the last few files'
+        self._remote_read[inode] = None
+        self._remote_read.move_to_end(inode)
+        while len(self._remote_read) > REMOTE_CHUNKS_KEPT:  # a 4 MiB chunk each: the last few
+            old = self._remote_files.get(self._remote_read.popitem(last=False)[0])
+            if old is not None:
+                old.cache.clear()
         return f
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
@@ -459,6 +463,7 @@ class MountView(ViewMeta):
         handles and drop their remote snapshots."""
         for inode in inodes:
             self._remote_files.pop(inode, None)
+            self._remote_read.pop(inode, None)
             self._pinned.discard(inode)
             await self._close_implicit(inode)
 

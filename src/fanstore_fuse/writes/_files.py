@@ -233,11 +233,7 @@ class FileStore(StoreBase):
         its current bytes: close-to-open without FLUSH, see `SharedWrites`)."""
         fh = self.open(path, os.O_RDONLY)  # holds the fd while it commits
         try:
-            with self._lock:
-                e = self._file(self._handle(fh))
-                need = not e.unlinked and (e.dirty or e.commit is None)
-            if need:
-                self._commit(e)
+            self.fsync(fh)
         finally:
             self.close(fh)
 
