@@ -4,6 +4,8 @@ write this node's outputs, read while a peer dies.
     _jobtool.py compare SRC MNT               every entry and byte of MNT equals SRC
     _jobtool.py write MNT [BIG_MB]            this node's outputs (deterministic bytes)
     _jobtool.py readloop SRC MNT SECONDS      compare file bytes repeatedly for SECONDS
+    _jobtool.py rewrite MNT                   rewrite this node's notes in place (version 2)
+    _jobtool.py crossread MNT HOSTS VERSION   the other nodes' small outputs, byte for byte
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _harness import assert_same_tree  # noqa: E402
 
 SMALL = (("notes.txt", 1000), ("metrics/epoch-1.json", 20_000), ("metrics/epoch-2.json", 300_000))
+REWRITTEN = "notes.txt"  # `rewrite` gives it version 2 (same size, other bytes)
 
 
-def content(host: str, name: str, size: int) -> bytes:
-    """The bytes node `host` writes as `name` (the test regenerates them to compare)."""
-    return random.Random(f"{host}/{name}").randbytes(size)
+def content(host: str, name: str, size: int, version: int = 1) -> bytes:
+    """The bytes node `host` writes as `name` (the test regenerates them to compare); version
+    2 of `REWRITTEN` after `rewrite`."""
+    key = f"{host}/{name}" if version == 1 or not name.endswith(REWRITTEN) else f"{host}/{name}#2"
+    return random.Random(key).randbytes(size)
 
 
 def outputs(host: str, big_mb: int) -> dict[str, int]:
@@ -45,6 +50,34 @@ def write(mnt: str, big_mb: int) -> None:
             for off in range(0, size, 8 << 20):
                 f.write(data[off : off + (8 << 20)])
     print(f"{host}: wrote {len(outputs(host, big_mb))} files", flush=True)
+
+
+def rewrite(mnt: str) -> None:
+    """Overwrite this node's `REWRITTEN` in place (no truncation: the other nodes' cached
+    pages of version 1 have the same size)."""
+    host = socket.gethostname()
+    rel = f"out-{host}/{REWRITTEN}"
+    with open(os.path.join(mnt, rel), "r+b") as f:
+        f.write(content(host, rel, dict(SMALL)[REWRITTEN], 2))
+    print(f"{host}: rewrote {rel}", flush=True)
+
+
+def crossread(mnt: str, hosts: list[str], version: int) -> None:
+    """Right after the other nodes closed them (the previous job step), their small outputs
+    must read back byte for byte here (close-to-open across nodes)."""
+    me = socket.gethostname()
+    n = 0
+    for host in hosts:
+        if host == me:
+            continue
+        for rel, size in outputs(host, 0).items():
+            with open(os.path.join(mnt, rel), "rb") as f:
+                got = f.read()
+            if got != content(host, rel, size, version):
+                raise SystemExit(f"{me}: WRONG BYTES: {rel} (version {version}) from {host}")
+            n += 1
+    print(f"{me}: read {n} files written on other nodes, version {version}: identical",
+          flush=True)
 
 
 def readloop(src: str, mnt: str, seconds: float) -> None:
@@ -90,6 +123,10 @@ def main(argv: list[str]) -> None:
         write(argv[1], int(argv[2]) if len(argv) > 2 else 0)
     elif argv[0] == "readloop":
         readloop(argv[1], argv[2], float(argv[3]))
+    elif argv[0] == "rewrite":
+        rewrite(argv[1])
+    elif argv[0] == "crossread":
+        crossread(argv[1], argv[2].split(","), int(argv[3]))
     else:
         raise SystemExit(__doc__)
 

@@ -81,14 +81,15 @@ def _assert_nodes_clean(c, job: int, state: str = "fanstore-fuse-") -> None:
         assert left == [], f"n{k} keeps {left}"
 
 
-def _assert_staged(out: Path, hosts: tuple[str, ...], big: dict[str, int]) -> int:
+def _assert_staged(out: Path, hosts: tuple[str, ...], big: dict[str, int],
+                   version: int = 1) -> int:
     n = 0
     for h in hosts:
         for rel, size in _jobtool.outputs(h, big.get(h, 0)).items():
             p = out / rel
             assert p.exists(), f"{rel} was not staged out (have {sorted(os.listdir(out))})"
             assert p.stat().st_size == size, rel
-            assert p.read_bytes() == _jobtool.content(h, rel, size), f"{rel} differs"
+            assert p.read_bytes() == _jobtool.content(h, rel, size, version), f"{rel} differs"
             n += 1
     return n
 
@@ -110,18 +111,25 @@ fanstore-fuse status $MNT --json > {status}
 big='$([[ $(hostname) == n1 ]] && echo 100 || echo 0)'
 srun -N3 --ntasks-per-node=1 bash -c "python {TOOL} write $MNT $big"
 srun -N3 --ntasks-per-node=1 bash -c 'ls '$MNT' | grep -c ^out- | sed "s/^/$(hostname) sees out dirs: /"'
+# close-to-open across nodes (each step starts once the last one closed its files everywhere):
+# read what the others wrote, they rewrite a file in place, read the new bytes
+srun -N3 --ntasks-per-node=1 python {TOOL} crossread $MNT n0,n1,n2 1
+srun -N3 --ntasks-per-node=1 python {TOOL} rewrite $MNT
+srun -N3 --ntasks-per-node=1 python {TOOL} crossread $MNT n0,n1,n2 2
 """)
     res = _run_job(c, script, site)
     for h in NODES:
         assert f"{h}: " in res.output and "entries identical to the source" in res.output
         assert f"{h} sees out dirs: 3" in res.output
+        for v in (1, 2):
+            assert f"{h}: read 6 files written on other nodes, version {v}: identical" in res.output
     data = json.loads(status.read_text())
     ranks = data["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1, 2]
     assert sorted(r["host"] for r in ranks) == list(NODES)
     for r in ranks:
         assert r["stats"]["remote_reads"] > 0, f"rank {r['rank']} read nothing remotely: {r}"
-    n = _assert_staged(out, NODES, {"n1": 100})
+    n = _assert_staged(out, NODES, {"n1": 100}, version=2)
     print(f"staged out and identical: {n} files (one of 100 MiB)")
     _assert_nodes_clean(c, res.job_id)
     assert not list(site.glob(f"job-{res.job_id}-*.json")), "job records left behind"
