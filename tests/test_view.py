@@ -279,3 +279,50 @@ async def test_without_open_a_written_file_is_one_handle_closed_when_idle(parts,
     with pytest.raises(pyfuse3.FUSEError) as ei:
         await ops.flush(ino)  # ENOSYS: the kernel stops sending FLUSH
     assert ei.value.errno == errno.ENOSYS
+
+
+async def test_without_open_a_file_whose_commits_are_slow_waits_longer_before_the_next(
+        parts, monkeypatch):
+    """no_open: the idle commit of a file changed in place hashes the changed chunks again; a
+    file whose last commit's hashing took t seconds stays unused t / COMMIT_SHARE (not
+    IDLE_CLOSE) before the next one, so a writer pausing now and then spends at most
+    COMMIT_SHARE of its time hashing.
+    A handle opened only for reads closes without committing and leaves the window as it was."""
+    from fanstore_fuse._view import COMMIT_SHARE, IDLE_CLOSE
+
+    ops, view, store = parts
+    view.no_open = True
+    d = await resolve(ops, b"a/b")
+    _, attr = await ops.create(d, b"inplace.bin", 0o100644, os.O_RDWR | os.O_CREAT, CTX)
+    ino = attr.st_ino
+    await ops.write(ino, 0, b"a" * 300_000)
+    await view.close_idle(0)  # the first commit: appended bytes, hashed as they came
+    assert store.status()["commits"] == 1 and view.idle_window(ino) == IDLE_CLOSE
+    from fanstore_fuse.writes import _files
+
+    real = _files.rehash_chunks
+    took = 0.05  # hashing the changed chunks again takes this long
+
+    def slow(*args, **kw):
+        import time
+
+        time.sleep(took)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(_files, "rehash_chunks", slow)
+    await ops.write(ino, 1000, b"b" * 10)  # in place: the next commit hashes that chunk again
+    await view.close_idle(0)
+    assert store.status()["commits"] == 2
+    window = view.idle_window(ino)
+    assert took / COMMIT_SHARE <= window < 3 * took / COMMIT_SHARE, window
+    assert await ops.read(ino, 0, 20) == b"a" * 20  # opens the handle again, for a read
+    await trio.sleep(IDLE_CLOSE + 0.05)
+    await view.close_idle()  # idle past IDLE_CLOSE, not past its window: stays open
+    assert store.status()["open_handles"] == 1
+    await view.close_idle(0)  # closes it; nothing changed, so nothing committed
+    assert store.status()["commits"] == 2 and view.idle_window(ino) == window
+    await ops.write(ino, 2000, b"c" * 10)
+    await trio.sleep(window + 0.05)
+    await view.close_idle()  # past its window: committed
+    assert store.status()["open_handles"] == 0 and store.status()["commits"] == 3
+    assert await ops.read(ino, 990, 1020) == b"a" * 10 + b"b" * 10 + b"a" * 990 + b"c" * 10

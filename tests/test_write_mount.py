@@ -181,7 +181,7 @@ def test_sigkill_then_recover_rescues_every_closed_file(dest: Path, tmp_path: Pa
         (m.path / "out" / f"f{k}.bin").write_bytes(data)
         closed[f"out/f{k}.bin"] = data
     # Files open without OPEN (the default): the daemon sees no close, and commits a written
-    # file once it was idle for IDLE_CLOSE (1 s); a crash within that second leaves it unclosed.
+    # file once it was idle for IDLE_CLOSE (0.25 s); a crash within that window leaves it unclosed.
     deadline = time.monotonic() + 15
     while status_ranks(m.status())[0]["writes"]["commits"] < 5:
         assert time.monotonic() < deadline, status_ranks(m.status())[0]["writes"]

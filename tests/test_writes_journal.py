@@ -10,10 +10,9 @@ from pathlib import Path
 
 import _harness
 import pytest
-from _writes_helpers import content, errno_of, put
+from _writes_helpers import content, errno_of, file_digest, put
 
 from fanstore_fuse._errors import FanstoreError
-from fanstore_fuse._format import checksum
 from fanstore_fuse.writes import (
     JOURNAL_NAME,
     WriteStore,
@@ -59,7 +58,7 @@ def test_journal_corruption_last_record(tmp_path: Path, caplog: pytest.LogCaptur
     s = WriteStore(d, readonly=True)
     assert any("checksum" in w for w in s.warnings)
     assert "checksum" in caplog.text
-    assert s.committed("a").xxh3 == checksum(b"first")
+    assert s.committed("a").xxh3 == file_digest(b"first")
     assert errno_of(s.committed, "b") == errno.ENOENT  # its commit record was dropped
     s.close_store()
     # Reopen for writing: the bad tail is cut, new records follow the good ones.
@@ -122,7 +121,7 @@ def test_enospc_keeps_earlier_data(small_tmpfs: Path) -> None:
     s.close_store()
     s = WriteStore(str(small_tmpfs / "l"))
     assert content(s, "early") == early and content(s, "after") == b"ok"
-    assert s.committed("early").xxh3 == checksum(early)
+    assert s.committed("early").xxh3 == file_digest(early)
     assert not s.exists("big")
     s.close_store()
 
@@ -181,3 +180,44 @@ def test_symlinks_fifos_and_owners_replay_and_stage_out(tmp_path: Path) -> None:
     assert (out / "d" / "f").read_bytes() == b"data"
     if os.geteuid() == 0:
         assert ((out / "d" / "f").stat().st_uid, (out / "d" / "f").stat().st_gid) == (1234, 5678)
+
+
+def test_a_version_1_journal_is_read_and_becomes_version_2(tmp_path: Path) -> None:
+    """Version 1 journals recorded a file's digest as the xxh3 of its bytes; version 2 as the
+    xxh3 of its chunk digests. A version 1 journal is read (the digests taken from the chunk
+    digests, so stage-out still verifies its files); a store that appends to it first makes
+    it version 2. Versions this build does not know are refused."""
+    import struct
+
+    from fanstore_fuse._format import checksum
+    from fanstore_fuse._stageout import copy_verified
+
+    d = str(tmp_path / "l")
+    s = WriteStore(d)
+    put(s, "a", b"first")
+    s.close_store()
+    j = Path(d) / "writes" / JOURNAL_NAME
+    raw = bytearray(j.read_bytes())
+    assert struct.unpack_from("<8sH", raw)[1] == 2
+    struct.pack_into("<H", raw, 8, 1)  # what the last build wrote (its records differ in "h")
+    j.write_bytes(bytes(raw))
+    s = WriteStore(d, readonly=True)
+    c = s.committed("a")
+    assert s.warnings == [] and c.xxh3 == file_digest(b"first") != checksum(b"first")
+    assert copy_verified(os.path.join(d, "writes", "data", f"{s.inode('a') - 2**40:016x}"),
+                         c, str(tmp_path / "a.out")) == 5
+    assert (tmp_path / "a.out").read_bytes() == b"first"
+    s.close_store()
+    assert struct.unpack_from("<8sH", j.read_bytes())[1] == 1  # read only: left as it was
+    s = WriteStore(d)
+    put(s, "b", b"second")
+    s.close_store()
+    assert struct.unpack_from("<8sH", j.read_bytes())[1] == 2
+    s = WriteStore(d)
+    assert content(s, "a") == b"first" and s.committed("b").xxh3 == file_digest(b"second")
+    s.close_store()
+    raw = bytearray(j.read_bytes())
+    struct.pack_into("<H", raw, 8, 3)
+    j.write_bytes(bytes(raw))
+    with pytest.raises(FanstoreError, match="journal version 3"):
+        WriteStore(d)

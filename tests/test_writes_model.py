@@ -6,15 +6,15 @@ import errno
 import os
 import shutil
 
-from _writes_helpers import content
+from _writes_helpers import content, file_digests
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from fanstore_fuse._errors import FanstoreError
-from fanstore_fuse._format import checksum
 from fanstore_fuse.writes import (
     WriteStore,
+    _hashing,
 )
 
 NAMES = ["a", "b", "d/a", "d/b", "d", "e"]
@@ -76,6 +76,24 @@ class WriteModel(RuleBasedStateMachine):
                 old = old.ljust(off, b"\0")
                 old = old[:off] + data + old[off + len(data):]
             self.files[p] = old
+
+    @rule(p=st.sampled_from(NAMES),
+          edits=st.lists(st.tuples(st.integers(0, 400), st.binary(max_size=100)), max_size=4))
+    def edit(self, p: str, edits: list[tuple[int, bytes]]) -> None:
+        """Several writes through one handle, then one commit at its close."""
+        err = self._parent_ok(p) or (0 if p in self.files else errno.EISDIR if p in self.dirs
+                                     else errno.ENOENT)
+        fh = self._expect(self.s.open, err, p, os.O_RDWR)
+        if fh is None:
+            return
+        new = self.files[p]
+        for off, data in edits:
+            self.s.write(fh, off, data)
+            if data:
+                new = new.ljust(off, b"\0")
+                new = new[:off] + data + new[off + len(data):]
+        self.s.close(fh)
+        self.files[p] = new
 
     @rule(p=st.sampled_from(NAMES), size=st.integers(0, 500))
     def truncate(self, p: str, size: int) -> None:
@@ -146,7 +164,7 @@ class WriteModel(RuleBasedStateMachine):
         for p, data in self.files.items():
             assert content(self.s, p) == data, p
             c = self.s.committed(p)
-            assert c.size == len(data) and c.xxh3 == checksum(data)
+            assert (c.size, c.xxh3, c.chunks) == (len(data), *file_digests(data, _hashing.CHUNK))
         for d in self.dirs:
             names = {r.name.decode() for r in self.s.listdir(d)}
             prefix = d + "/" if d else ""
@@ -161,3 +179,22 @@ WriteModel.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_model = WriteModel.TestCase
+
+
+class SmallChunkModel(WriteModel):
+    """The same with 64-byte chunks, so that files span many: a commit hashes again only the
+    chunks changed since the last one (writes in place, past the end, truncates), and its
+    chunk digests and file digest must still be those of the whole file."""
+
+    def __init__(self) -> None:
+        self._chunk = _hashing.CHUNK
+        _hashing.CHUNK = 64
+        super().__init__()
+
+    def teardown(self) -> None:
+        super().teardown()
+        _hashing.CHUNK = self._chunk
+
+
+SmallChunkModel.TestCase.settings = WriteModel.TestCase.settings
+test_model_small_chunks = SmallChunkModel.TestCase

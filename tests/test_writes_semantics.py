@@ -9,10 +9,9 @@ import stat
 from pathlib import Path
 
 import pytest
-from _writes_helpers import content, errno_of, put
+from _writes_helpers import content, errno_of, file_digest, file_digests, put
 
 from fanstore_fuse._errors import ChecksumError, NotCommitted
-from fanstore_fuse._format import checksum
 from fanstore_fuse.writes import (
     CHUNK,
     WRITE_INODE_BASE,
@@ -48,7 +47,7 @@ def test_write_read_append_overwrite_truncate(store: WriteStore) -> None:
     store.close(fh)
     assert content(store, "a") == b"\0\0\0x"
     c = store.committed("a")
-    assert c.size == 4 and c.xxh3 == checksum(b"\0\0\0x") and stat.S_ISREG(c.mode)
+    assert c.size == 4 and c.xxh3 == file_digest(b"\0\0\0x") and stat.S_ISREG(c.mode)
     assert store.read_committed("a", 2, 10) == b"\0x"
 
 
@@ -169,7 +168,7 @@ def test_many_small_writes_20mb(store: WriteStore, tmp_path: Path) -> None:
     data = bytes(expect)
     assert content(store, "ckpt.pt") == data
     c = store.committed("ckpt.pt")
-    assert c.size == len(data) and c.xxh3 == checksum(data)
+    assert c.size == len(data) and c.xxh3 == file_digest(data)
     info = store.commit_info("ckpt.pt")
     assert len(info.chunks) == (len(data) + CHUNK - 1) // CHUNK
     assert store.read_committed("ckpt.pt", CHUNK - 10, 20) == data[CHUNK - 10 : CHUNK + 10]
@@ -184,7 +183,7 @@ def test_appends_reuse_running_hash_after_close(store: WriteStore) -> None:
         store.write(fh, 0, line)
         log += line
         store.close(fh)
-        assert store.committed("log").xxh3 == checksum(log)
+        assert store.committed("log").xxh3 == file_digest(log)
 
 
 def test_read_committed_refuses_changed_bytes(store: WriteStore) -> None:
@@ -233,4 +232,57 @@ def test_a_commit_hashes_without_the_lock_and_never_commits_a_stale_digest(store
     want = b"a" * 50 + b"b" + b"a" * 49 + b"tail"
     assert free == [True] and sizes == [100, 104]
     c = store.committed("f")
-    assert (c.size, c.xxh3) == (104, checksum(want))
+    assert (c.size, c.xxh3) == (104, file_digest(want))
+
+
+def test_a_commit_hashes_again_only_the_chunks_that_changed(tmp_path: Path, monkeypatch) -> None:
+    """With 64-byte chunks: after in-place writes, a write past the end and a truncation, each
+    commit reads back only the chunks changed since the last one (and the last chunk when the
+    size moved), and records the same digests as hashing the whole file would. A reopened
+    store (the journal replayed) does not know what changed: its next commit reads it all."""
+    from fanstore_fuse.writes import _hashing
+
+    monkeypatch.setattr(_hashing, "CHUNK", 64)
+    reads: list[int] = []
+
+    class Os:  # the hashing module's os, its preads recorded
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        @staticmethod
+        def pread(fd, n, off):
+            reads.append(off)
+            return os.pread(fd, n, off)
+
+    monkeypatch.setattr(_hashing, "os", Os())
+    s = WriteStore(str(tmp_path / "local"))
+    data = bytearray(os.urandom(1000))  # 16 chunks, the last 40 bytes
+
+    def commit(*edits: tuple[int, bytes], size: int | None = None) -> list[int]:
+        reads.clear()
+        fh = s.open("f", os.O_RDWR)
+        for off, piece in edits:
+            s.write(fh, off, piece)
+            data[len(data):] = bytes(max(0, off - len(data)))
+            data[off:off + len(piece)] = piece
+        if size is not None:
+            s.truncate(fh, size)
+            del data[size:]
+            data[len(data):] = bytes(size - len(data))
+        s.close(fh)
+        c = s.committed("f")
+        assert (c.size, c.xxh3, c.chunks) == (len(data), *file_digests(bytes(data), 64))
+        return sorted(reads)
+
+    put(s, "f", bytes(data))  # hashed as written: no read back
+    assert reads == [] and s.committed("f").xxh3 == file_digests(bytes(data), 64)[0]
+    assert commit((70, b"abcde"), (700, b"xyz"), (72, b"Q")) == [64, 640]
+    assert commit((1100, b"past the end")) == [960, 1024, 1088]  # old last, the hole, new
+    assert commit(size=500) == [448]  # the new last chunk
+    assert commit((130, b"!"), size=700) == [128, 448, 512, 576, 640]
+    s.close_store()
+    s = WriteStore(str(tmp_path / "local"))
+    assert s.committed("f").xxh3 == file_digests(bytes(data), 64)[0]
+    assert commit((5, b"?")) == list(range(0, 700, 64))  # replayed: all of it
+    assert commit((600, b"?")) == [576]
+    s.close_store()

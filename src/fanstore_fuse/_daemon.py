@@ -180,6 +180,7 @@ def _mount(cfg: MountConfig, m: _Mounted, view: MountView, settings: Settings) -
     if cfg.debug:
         opts.add("debug")
     view.no_open = bool(settings.no_open) and fastopen.no_open()  # before any OPEN comes
+    view.commit_share = settings.commit_share
     if cfg.writable and settings.noflush and not view.no_open:  # read-only: FLUSH is ENOSYS
         enable_noflush()
     fast_open = settings.fast_open and fastopen.enable(view.node.ns, ENTRY_TIMEOUT,

@@ -10,6 +10,7 @@
 | `FANSTORE_MPI_SEND_POLL` | 2e-05 | first poll interval (s) while a send is pending |
 | `FANSTORE_NOFLUSH` | 1 | writable mount: open read-only files with FOPEN_NOFLUSH (0: flush every close) |
 | `FANSTORE_NO_OPEN` | 1 | files open without OPEN, RELEASE or FLUSH (kernel no_open; C shim; 0: off) |
+| `FANSTORE_COMMIT_SHARE` | 0.05 | no_open: idle wait before a commit, at least last hash s / this |
 | `FANSTORE_FASTOPEN` | 1 | answer OPEN/RELEASE of dataset files in the C shim (0: in Python) |
 | `FANSTORE_FASTREAD` | 1 | answer READ of dataset files held here in the C shim (0: in Python) |
 | `FANSTORE_FASTREAD_THREADS` | 16 | the C shim's reader threads |
@@ -51,6 +52,7 @@ _ENV = {
     "mpi_reply_poll": "FANSTORE_MPI_REPLY_POLL",
     "noflush": "FANSTORE_NOFLUSH",
     "no_open": "FANSTORE_NO_OPEN",
+    "commit_share": "FANSTORE_COMMIT_SHARE",
     "fast_open": "FANSTORE_FASTOPEN",
     "fuse_linger_us": "FANSTORE_FUSE_LINGER_US",
     "fuse_trio_total_us": "FANSTORE_FUSE_TRIO_TOTAL_US",
@@ -110,6 +112,7 @@ class Settings:
     mpi_reply_poll: float = 20e-6
     noflush: int = 1
     no_open: int = 1
+    commit_share: float = 0.05
     fast_open: int = 1
     fuse_linger_us: int = 200
     fuse_trio_total_us: int = 5000

@@ -117,7 +117,7 @@ def copy_verified(src: str, commit: CommitInfo, dest: str, verify_dest: bool = T
                       dir_fd=dir_fd)
         try:
             try:
-                digest = hash_file(sfd, commit.size, False, lambda data: write_all(dfd, data))[0]
+                digest = hash_file(sfd, commit.size, lambda data: write_all(dfd, data))[0]
             except ChecksumError as e:
                 raise _Mismatch(f"local copy: {e}") from None
             if digest != commit.xxh3:
@@ -131,7 +131,7 @@ def copy_verified(src: str, commit: CommitInfo, dest: str, verify_dest: bool = T
             rfd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
             try:
                 n = os.fstat(rfd).st_size
-                back = hash_file(rfd, n, False)[0]
+                back = hash_file(rfd, n)[0]
             finally:
                 os.close(rfd)
             if n != commit.size or back != commit.xxh3:

@@ -11,8 +11,9 @@ store's handle, a remote file's ``REMOTE_FH`` plus a counter. Without OPEN (`no_
 default with the C shim: the kernel opens files without asking, and the shim puts the inode where
 the handle would be), requests about an open file carry its inode: a written file's go through
 one store handle per inode (`_implicit`: CREATE's, or opened at first use; closed, which commits
-and publishes, once unused for IDLE_CLOSE seconds by `run_closer`, when the kernel forgets the
-inode, or for a live stage-out), a remote file's read the snapshot its last lookup took
+and publishes, once unused for IDLE_CLOSE seconds by `run_closer` (longer for a file whose
+commits spent long hashing: at most `commit_share` of a writer's time goes to that), when the kernel
+forgets the inode, or for a live stage-out), a remote file's read the snapshot its last lookup took
 (`_remote_files`). The kernel sends no RELEASE in this mode, not even for CREATE's files. A
 committed file's first write tells the other ranks it changed (a reader's lookup then asks the
 writer, `SharedWrites.sync`), so close-to-open holds without FLUSH. The view answers lookups,
@@ -71,6 +72,7 @@ SNAPSHOT_SECONDS = 1.0  # the written entries fetched at opendir serve that list
 NAME_MAX = 255
 REMOTE_CHUNKS_KEPT = 8  # remote files read by inode that keep their last 4 MiB chunk
 IDLE_CLOSE = 0.25  # no_open: a written file's store handle unused this long is closed (committed)
+COMMIT_SHARE = 0.05  # ...or longer: the seconds its last commit's hashing took / this share
 
 DATASET, HERE, ELSEWHERE = "dataset", "here", "elsewhere"
 T = TypeVar("T")
@@ -110,10 +112,12 @@ class MountView(ViewMeta):
         self._next_remote_fh = 0
         # no_open: the kernel opens files without OPEN (no handle, no RELEASE, no FLUSH)
         self.no_open = False
+        self.commit_share = COMMIT_SHARE  # FANSTORE_COMMIT_SHARE (0: IDLE_CLOSE for all)
         self._implicit: dict[int, int] = {}  # written inode: its store handle
         self._used: dict[int, float] = {}  # written inode: when its handle was last used
         self._pinned: set[int] = set()  # unlinked written inodes kept for their open files
         self._busy: dict[int, int] = {}  # written inode: requests using its handle now
+        self._rehash_took: dict[int, float] = {}  # written inode: its last commit's whole hash, s
         self._handles_added = trio.Event()  # wakes run_closer
         self._remote_files: dict[int, OpenRemote] = {}  # remote inode: snapshot
         self._remote_read: OrderedDict[int, None] = OrderedDict()  # the last ones read
@@ -430,18 +434,21 @@ class MountView(ViewMeta):
         elif fh >= WRITE_FH:
             await self._close_handle(fh - WRITE_FH)
 
-    async def _close_handle(self, h: int) -> None:
-        """Close a store handle (committing what it changed); without OPEN, whose FLUSH
-        published before, publish the commit (RELEASE comes after close(2) returned: readers
-        elsewhere that came first asked this rank, `SharedWrites.sync`)."""
+    async def _close_handle(self, h: int) -> float | None:
+        """Close a store handle (committing what it changed; returns `WriteStore.close`'s:
+        None if nothing was committed, else the seconds spent hashing changed chunks);
+        without OPEN, whose FLUSH published before, publish the commit (RELEASE comes after
+        close(2) returned: readers elsewhere that came first asked this rank,
+        `SharedWrites.sync`)."""
         w = self._w()
         path = w.handle_path(h) if self.no_open else None
-        await self._disk(w.close, h)
+        rehash = await self._disk(w.close, h)
         if path is not None and self.shared is not None and w.exists(path):
             try:
                 await self.shared.publish(path)
             except FanstoreError as e:
                 log.warning("publishing %r after its last close: %s", path, e)
+        return rehash
 
     def _pin(self, path: bytes) -> None:
         """no_open: a written file about to be unlinked or replaced keeps its data for the
@@ -466,29 +473,42 @@ class MountView(ViewMeta):
             self._remote_read.pop(inode, None)
             self._pinned.discard(inode)
             await self._close_implicit(inode)
+            self._rehash_took.pop(inode, None)
 
     async def _close_implicit(self, inode: int) -> None:
         self._used.pop(inode, None)
         h = self._implicit.pop(inode, None)
         if h is not None:
             try:
-                await self._close_handle(h)
+                rehash = await self._close_handle(h)
+                if rehash is not None:
+                    self._rehash_took[inode] = rehash
             except FanstoreError as e:
                 log.error("closing written inode %d: %s", inode, e)
 
-    async def close_idle(self, idle: float = IDLE_CLOSE) -> None:
+    def idle_window(self, inode: int) -> float:
+        """How long written inode `inode` stays unused before `run_closer` commits it:
+        IDLE_CLOSE, or longer where its last commit spent long hashing (the chunks changed in
+        place; appended bytes are hashed as they come), so that a writer who pauses now and
+        then spends at most `commit_share` of its time on these hashes."""
+        if self.commit_share <= 0:
+            return IDLE_CLOSE
+        return max(IDLE_CLOSE, self._rehash_took.get(inode, 0.0) / self.commit_share)
+
+    async def close_idle(self, idle: float | None = None) -> None:
         """no_open: close (commit, publish) the store handles of written files unused for
-        `idle` seconds (0: all), except those in use or keeping an unlinked file for its open
-        files."""
+        `idle` seconds (None: each file's `idle_window`; 0: all), except those in use or
+        keeping an unlinked file for its open files."""
         now = time.monotonic()
         for inode in [i for i, t in self._used.items()
-                      if now - t >= idle and i not in self._pinned and i not in self._busy]:
+                      if now - t >= (self.idle_window(i) if idle is None else idle)
+                      and i not in self._pinned and i not in self._busy]:
             await self._close_implicit(inode)
 
     async def run_closer(self) -> None:
-        """no_open: a written file is committed (and published) IDLE_CLOSE to 1.5 x
-        IDLE_CLOSE seconds after its last write or read, as close(2) would have; a side task
-        of the daemon, asleep while no written file has a handle."""
+        """no_open: a written file is committed (and published) its `idle_window` (IDLE_CLOSE
+        or more) to that plus IDLE_CLOSE / 2 seconds after its last write or read, as close(2)
+        would have; a side task of the daemon, asleep while no written file has a handle."""
         while True:
             if not self._used:  # nothing to close: sleep until a handle is opened
                 self._handles_added = trio.Event()

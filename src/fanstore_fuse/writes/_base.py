@@ -24,6 +24,7 @@ from .._errors import (
 )
 from .._format import KIND_DIR, KIND_FILE
 from .._namespace import Record
+from ._hashing import whole_digest
 from ._journal import DATA_DIR, JOURNAL_NAME, WRITES_DIR, Journal
 from ._tree import DIR_SIZE, WRITE_INODE_BASE, CommitInfo, Entry, EntryTree, PathLike
 
@@ -104,7 +105,8 @@ class StoreBase:
             e = t.get(int(r["k"]))
             c = array("Q")
             c.frombytes(bytes(r["c"]))
-            e.commit = CommitInfo(int(r["z"]), int(r["h"]), int(r["t"]), int(r["m"]), c.tolist())
+            chunks = c.tolist()  # the digest is theirs (version 1 journals: of the bytes)
+            e.commit = CommitInfo(int(r["z"]), whole_digest(chunks), int(r["t"]), int(r["m"]), chunks)
             e.mtime_ns, e.mode = e.commit.mtime_ns, e.commit.mode
         elif op == "unlink" or op == "rmdir":
             self._gone(t.detach(t.dir(int(r["p"])), bytes(r["n"])))

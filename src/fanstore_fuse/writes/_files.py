@@ -24,7 +24,7 @@ from .._format import KIND_DIR, KIND_FILE
 from .._fsio import fsync_dir
 from .._namespace import Record
 from ._base import _COMMIT_TRIES, StoreBase, _Handle
-from ._hashing import Hasher, hash_file
+from ._hashing import Hasher, chunks_touched, hash_file, rehash_chunks
 from ._tree import CommitInfo, Entry, PathLike
 
 log = logging.getLogger("fanstore_fuse.writes")
@@ -117,6 +117,8 @@ class FileStore(StoreBase):
             h.changed = e.dirty = True
             e.version += 1
             self.stats.bytes_written += written
+            if e.changed_chunks is not None:  # a hole before `off` reads as zeros now
+                e.changed_chunks.update(chunks_touched(min(off, e.size), off + written))
             if e.hasher is not None:
                 if off == e.hasher.pos and off == e.size and written == n:
                     e.hasher.update(data)
@@ -135,6 +137,7 @@ class FileStore(StoreBase):
                 self.used_bytes += size - e.size
                 e.size = size
                 e.hasher = None
+                e.changed_chunks = None
                 e.dirty = True
                 e.version += 1
 
@@ -185,6 +188,8 @@ class FileStore(StoreBase):
         except OSError as err:
             raise os_error(err, f"truncate {self.tree.path_of(e)!r}") from None
         self.used_bytes += size - e.size
+        if e.changed_chunks is not None:
+            e.changed_chunks.update(chunks_touched(min(size, e.size), max(size, e.size)))
         e.size = size
         e.dirty = True
         e.version += 1
@@ -237,15 +242,18 @@ class FileStore(StoreBase):
         finally:
             self.close(fh)
 
-    def close(self, fh: int) -> None:
-        """release(): commit if this handle changed the file; the last close frees the fd."""
+    def close(self, fh: int) -> float | None:
+        """release(): commit if this handle changed the file; the last close frees the fd.
+        Returns None if it committed nothing, else the seconds the commit spent hashing (the
+        chunks changed in place; 0.0 for a file only appended to: hashed as written)."""
         with self._lock:
             h = self._handle(fh)
             e = self._file(h)
             need = h.changed and not e.unlinked and (e.dirty or e.commit is None)
+        rehash = None
         try:
             if need:
-                self._commit(e)
+                rehash = self._commit(e)
         finally:
             with self._lock:
                 del self._handles[fh]
@@ -257,6 +265,7 @@ class FileStore(StoreBase):
                     if e.unlinked:
                         self._open_unlinked.pop(e.k, None)
                         self._remove_data(e)
+        return rehash
 
     def close_all(self) -> list[bytes]:
         """Close every open handle (committing changed files); returns paths that failed."""
@@ -275,20 +284,32 @@ class FileStore(StoreBase):
                 log.error("closing %s: %s", path, err)
         return failed
 
-    def _commit(self, e: Entry) -> None:
-        """Commit `e` (the caller holds an open handle of it, not the lock)."""
+    def _commit(self, e: Entry) -> float:
+        """Commit `e` (the caller holds an open handle of it, not the lock); returns the
+        seconds spent hashing (0.0 if its appends were hashed as they came): the chunks changed
+        since the last commit, or all of them where that is not known (a replayed journal)."""
+        rehash = 0.0
         for attempt in range(_COMMIT_TRIES + 1):
             locked = attempt == _COMMIT_TRIES  # a file that keeps changing: hold the lock
             with contextlib.ExitStack() as held:
                 held.enter_context(self._lock)
-                fd, size, version = e.fd, e.size, e.version
+                fd, size, version, base = e.fd, e.size, e.version, e.commit
                 h = e.hasher
                 known = h.digest() if h is not None and h.pos == size else None
+                changed = None if e.changed_chunks is None else set(e.changed_chunks)
                 if not locked:
                     held.close()
                 try:
                     os.fsync(fd)
-                    digest, chunks = known or hash_file(fd, size)
+                    began = time.monotonic()
+                    if known is not None:
+                        digest, chunks = known
+                    elif base is not None and changed is not None:  # only what changed
+                        digest, chunks = rehash_chunks(fd, size, base.size, base.chunks, changed)
+                    else:
+                        digest, chunks = hash_file(fd, size)
+                    if known is None:
+                        rehash += time.monotonic() - began
                 except OSError as err:
                     raise os_error(err, f"fsync {self.tree.path_of(e)!r}") from None
                 if not e.synced_dirent:
@@ -298,7 +319,8 @@ class FileStore(StoreBase):
                     if e.version != version:
                         continue  # written while we hashed: the digest is not of these bytes
                     if known is None:
-                        e.hasher = None  # only appends after this are hashed incrementally
+                        e.hasher = None  # from now on changes are hashed by chunk
+                    e.changed_chunks = set()  # what changes from now on is hashed again
                     c = array("Q", chunks)
                     self._log({"o": "commit", "k": e.k, "z": size, "h": digest, "c": c.tobytes(),
                                "t": e.mtime_ns, "m": e.mode})
@@ -306,4 +328,5 @@ class FileStore(StoreBase):
                     e.dirty = False
                     self.stats.commits += 1
             self._sync()
-            return
+            return rehash
+        raise AssertionError("the last try holds the lock: the file cannot change under it")

@@ -31,7 +31,8 @@ WRITES_DIR = "writes"  # under a rank's local dir
 DATA_DIR = "data"  # under WRITES_DIR
 JOURNAL_NAME = "journal.fwj"
 JOURNAL_MAGIC = b"FSTRWJNL"
-JOURNAL_VERSION = 1
+JOURNAL_VERSION = 2  # 2: a commit's "h" is the xxh3 of its chunk digests ("c"), not of the bytes
+_READS = (1, 2)  # version 1 is read too: its digests are taken from "c" (see WriteStore._apply)
 _JHEADER = struct.Struct("<8sHHI")  # magic, version, flags, reserved (16 bytes)
 _RHEADER = struct.Struct("<IQ")  # payload length, xxh3-64 of the payload
 MAX_RECORD = 16 << 20
@@ -54,6 +55,7 @@ class Journal:
         self.warnings: list[str] = []
         self.fd = -1
         self.end = 0
+        self.version = JOURNAL_VERSION  # the version read (appends make it JOURNAL_VERSION)
 
     def replay(self) -> Iterator[dict[str, Any]]:
         """Yield the valid records; stop (with a warning) at the first torn or corrupt one."""
@@ -71,8 +73,9 @@ class Journal:
         magic, version, flags, reserved = _JHEADER.unpack_from(data)
         if magic != JOURNAL_MAGIC:
             raise FormatError(f"{self.path} is not a fanstore-fuse write journal (bad magic)")
-        if version != JOURNAL_VERSION or flags or reserved:
+        if version not in _READS or flags or reserved:
             raise FormatError(f"{self.path}: journal version {version} flags {flags:#x} unsupported")
+        self.version = version
         off = _JHEADER.size
         n = 0
         while off < len(data):
@@ -115,9 +118,13 @@ class Journal:
                 os.pwrite(fd, _JHEADER.pack(JOURNAL_MAGIC, JOURNAL_VERSION, 0, 0), 0)
                 os.fsync(fd)
                 self.end = _JHEADER.size
-            elif size > self.end:  # drop a torn/corrupt tail so new records follow good ones
+            elif size > self.end or self.version != JOURNAL_VERSION:
+                # drop a torn/corrupt tail so new records follow good ones; an older build's
+                # journal (its records read the same) becomes this version's
                 os.ftruncate(fd, self.end)
+                os.pwrite(fd, _JHEADER.pack(JOURNAL_MAGIC, JOURNAL_VERSION, 0, 0), 0)
                 os.fsync(fd)
+                self.version = JOURNAL_VERSION
         except OSError as e:
             os.close(fd)
             raise os_error(e, "journal") from None

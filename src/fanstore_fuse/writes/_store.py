@@ -3,13 +3,15 @@
 Pure library code: no FUSE, no MPI (see docs/semantics.md for the guarantees). A file's bytes
 are written in place with ``pwrite`` under ``LOCAL/writes/data/`` (see `_journal` for the
 layout). ``close`` (of a handle that changed the file) and ``fsync`` *commit* it: the data file
-is fsync'd, its size, xxh3-64 and one xxh3-64 per ``CHUNK`` are appended to the journal, and the
-journal is fsync'd. Namespace changes (mkdir, create, unlink, rmdir, rename, chmod/utimens) are
-journal records too; mkdir, unlink, rmdir and rename are fsync'd before they return.
+is fsync'd, its size, one xxh3-64 per ``CHUNK`` and the file's digest (the xxh3 of those, see
+`_hashing`) are appended to the journal, and the journal is fsync'd. Only the chunks changed
+since the last commit are hashed again (`Entry.changed_chunks`; appends as they are written).
+Namespace changes (mkdir, create, unlink, rmdir, rename, chmod/utimens) are journal records too;
+mkdir, unlink, rmdir and rename are fsync'd before they return.
 
 Locking: one lock guards the in-memory state and is held only for memory work and short
 ``pwrite``/``pread`` calls. Every fsync (data file, journal, directory) and the hashing of a
-whole file at commit run *without* the lock, so a 1 GB checkpoint being committed does not
+file at commit run *without* the lock, so a 1 GB checkpoint being committed does not
 stop lookups, listings or other files' reads and writes. A commit re-checks afterwards that
 the file did not change meanwhile (`Entry.version`), and hashes again if it did.
 """

@@ -61,6 +61,7 @@ class Entry:
     fd: int = -1
     unlinked: bool = False
     hasher: Hasher | None = None  # valid while the file has only been appended to
+    changed_chunks: set[int] | None = None  # CHUNKs changed since the commit (None: unknown)
     synced_dirent: bool = False
     target: bytes = b""  # a symlink's
     rdev: int = 0  # a device node's
