@@ -9,6 +9,9 @@ Three writers a training job has, each against a fresh mount, with the daemons' 
   a random offset, then a pause, for 6 s; pauses of 0.3 s and 1 s. The daemon's CPU over those
   6 s as a share of one CPU, and the commits made (`status`: writes.commits). Without OPEN a
   file unused for a while is committed (fsync, and the 4 MiB chunks changed hashed again).
+- **fsync**: the same file gets 4 KiB writes at random offsets, each followed by fsync(2) (a
+  database's transactions: SQLite, LMDB); wall time and daemon CPU per write + fsync. Every
+  fsync commits.
 - **follow**: a log appended on rank 1 (open, append a line, close) and read whole on rank 0
   right after each close, 300 times (2 ranks); wall time per append and per remote read.
 
@@ -94,6 +97,21 @@ def in_place(fan: Fan, pause: float, seed: int) -> dict:
     return {"cpu_share": cpu / wall, "commits": commits, "writes": writes}
 
 
+def fsyncs(fan: Fan, seed: int, n: int = 50) -> dict:
+    path = Path(fan.mps[0]) / "inplace-0.3.bin"  # in_place's file, 256 MiB
+    rng = random.Random(seed)
+    with open(path, "r+b", buffering=0) as f:
+        c0 = cpu_snapshot(fan.pids())
+        t0 = time.perf_counter()
+        for _ in range(n):
+            f.seek(rng.randrange(0, INPLACE_SIZE - 4096))
+            f.write(os.urandom(4096))
+            os.fsync(f.fileno())
+        wall = time.perf_counter() - t0
+        cpu = _cpu(c0)
+    return {"us_per_op": wall / n * 1e6, "daemon_us_per_op": cpu / n * 1e6}
+
+
 def follow(fan: Fan) -> dict:
     w, r = (Path(mp) / "train.log" for mp in (fan.mps[1], fan.mps[0]))
     text = b""
@@ -138,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                     for pause in PAUSES:
                         res = in_place(fan, pause, seed=rnd)
                         got.update({f"in place {pause} s {k}": v for k, v in res.items()})
+                    got.update({f"fsync {k}": v for k, v in fsyncs(fan, seed=rnd).items()})
                 finally:
                     fan.close()
                 fan = Fan(work, dest, "w2", 2, [], env)

@@ -34,6 +34,18 @@ def _tree(src: Path) -> dict[str, bytes]:
     return files
 
 
+def _two_ranks(tmp_path: Path, mount_factory):
+    """A 2-rank mount of `_tree`: (the mount, rank 0's mountpoint, rank 1's)."""
+    _need_shim()
+    src = tmp_path / "src"
+    _tree(src)
+    dest = prep_cli(src, tmp_path / "dest")
+    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=2,
+                      local=str(tmp_path / "local" / "{rank}"))
+    r0, r1 = (Path(mp) for mp in m.mountpoints)
+    return m, r0, r1
+
+
 def _opcodes(m) -> list[str]:
     return re.findall(r"opcode: (OPEN|FLUSH|RELEASE|CREATE) ", m.log_text())
 
@@ -108,13 +120,7 @@ def test_close_to_open_across_ranks_without_flush(tmp_path: Path, mount_factory)
     """Rank 1 writes; right after each close(2), rank 0 reads the new bytes: a new file, one
     rewritten in place with the same size (rank 0 had its old pages cached), appended, and
     truncated and rewritten shorter. No FLUSH is needed: rank 0's lookup asks the writer."""
-    _need_shim()
-    src = tmp_path / "src"
-    _tree(src)
-    dest = prep_cli(src, tmp_path / "dest")
-    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=2,
-                      local=str(tmp_path / "local" / "{rank}"))
-    r0, r1 = (Path(mp) for mp in m.mountpoints)
+    m, r0, r1 = _two_ranks(tmp_path, mount_factory)
     f1, f0 = r1 / "ckpt.bin", r0 / "ckpt.bin"
     a = os.urandom(300_000)
     f1.write_bytes(a)
@@ -150,13 +156,7 @@ def test_a_file_written_through_a_shared_mapping_keeps_its_bytes(tmp_path: Path,
     with handle 0 (written back from the page cache, no OPEN behind them): rank 1 fills a
     new file through a mapping, then changes it in place through another (msync); rank 0
     reads each version after the writer's close and munmap, and stage-out has the last."""
-    _need_shim()
-    src = tmp_path / "src"
-    _tree(src)
-    dest = prep_cli(src, tmp_path / "dest")
-    m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=2,
-                      local=str(tmp_path / "local" / "{rank}"))
-    r0, r1 = (Path(mp) for mp in m.mountpoints)
+    m, r0, r1 = _two_ranks(tmp_path, mount_factory)
     n = 3 * 4096 + 100
     body = os.urandom(n)
     fd = os.open(r1 / "mm.bin", os.O_RDWR | os.O_CREAT, 0o644)
