@@ -114,6 +114,37 @@ def test_files_open_without_requests_and_keep_their_bytes(tmp_path: Path, mount_
     assert _tree_bytes(out) == {"out/train.log": b"fre"}
 
 
+@pytest.mark.timeout(120)
+def test_the_first_open_comes_from_a_child_not_from_the_daemon(tmp_path: Path, mount_factory):
+    """The daemon has the kernel take `no_open` by opening one dataset file through its own
+    mount as soon as it serves. That open must come from a child process: a thread of the
+    daemon waiting on its own mount when the daemon is SIGKILLed never returns, so the daemon
+    never exits and its mount hangs (seen in CI, test_stale_mount_after_sigkill). Then a
+    SIGKILLed daemon is gone at once and its mount answers ENOTCONN."""
+    _need_shim()
+    src = tmp_path / "src"
+    _tree(src)
+    dest = prep_cli(src, tmp_path / "dest")
+    m = mount_factory(dest, local=str(tmp_path / "local"), extra_args=["--debug"])
+    deadline = time.monotonic() + 30
+    while status_ranks(m.status())[0]["fuse_shim"]["c_no_opens"] < 1:  # the first OPEN came
+        assert time.monotonic() < deadline, "no OPEN reached the daemon"
+        time.sleep(0.05)
+    daemons = [p for p in m.pids() if os.path.exists(f"/proc/{p}")]
+    tids = {int(t) for p in daemons for t in os.listdir(f"/proc/{p}/task")} | set(daemons)
+    opens = [int(pid) for pid in re.findall(r"opcode: OPEN \(14\).*? pid: (\d+)", m.log_text())]
+    assert len(opens) == 1 and opens[0] not in tids, (opens, sorted(tids))
+    for p in daemons:
+        os.kill(p, 9)
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{p}") for p in daemons):
+        assert time.monotonic() < deadline, "a SIGKILLed daemon did not exit"
+        time.sleep(0.05)
+    with pytest.raises(OSError) as ei:
+        (m.path / "d" / "f01").read_bytes()
+    assert ei.value.errno in (errno.ENOTCONN, errno.ECONNABORTED), ei.value
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(180)
 def test_close_to_open_across_ranks_without_flush(tmp_path: Path, mount_factory):

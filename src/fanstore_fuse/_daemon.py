@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -386,19 +387,22 @@ async def _prime_no_open(mountpoint: str, view: MountView) -> None:
     """A side task: open and close one dataset file through the mount as soon as it serves,
     so that the kernel takes `no_open` (that OPEN answered ENOSYS) and `no_flush` (that close's
     FLUSH) before a reader does: no reader's close(2) ever needs the daemon then (ENOTCONN once
-    it is gone). Nothing happens without a readable dataset file."""
+    it is gone). Nothing happens without a readable dataset file.
+
+    The open is made by a child process, never by a thread of the daemon: a daemon SIGKILLed
+    while one of its own threads waits on its mount never exits (that thread waits, unkillable,
+    for an answer only the dead daemon could give, and keeps /dev/fuse open, so the kernel never
+    aborts the connection): a zombie holding a hung mount."""
     ns = view.node.ns
     first = next((i for i in range(len(ns)) if ns.is_regular(i)), None)
     if first is None:
         return
     path = os.path.join(mountpoint, os.fsdecode(ns.path(first)))
-
-    def touch() -> None:
-        with contextlib.suppress(OSError):
-            os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
-
+    code = "import os, sys; os.close(os.open(sys.argv[1], os.O_RDONLY | os.O_NONBLOCK))"
     with trio.move_on_after(30):
-        await trio.to_thread.run_sync(touch, abandon_on_cancel=True)
+        await trio.run_process([sys.executable, "-I", "-S", "-c", code, path], check=False,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
 
 
 def _stageout_requests(key: str, others: list[int], hosts: list[str], transport: Transport):
