@@ -287,6 +287,65 @@ def test_stale_mount_after_sigkill(src_tree: Path, dest: Path, tmp_path: Path, s
     assert str(mp) not in fuse_mounts()
 
 
+SELF_WAIT = """
+import os, sys, threading, time
+import pyfuse3, trio
+
+class Ops(pyfuse3.Operations):
+    async def lookup(self, parent, name, ctx=None):
+        await trio.sleep_forever()  # taken from /dev/fuse, never answered
+
+mp = sys.argv[1]
+pyfuse3.init(Ops(), mp, ["fsname=fanstore-selfwait"])
+
+def look() -> None:  # a thread of the file system's own process, waiting on its own mount
+    time.sleep(0.3)
+    try:
+        os.stat(os.path.join(mp, "x"))
+    except OSError:
+        pass
+
+threading.Thread(target=look, daemon=True).start()
+trio.run(pyfuse3.main)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_umount_frees_a_dead_daemon_stuck_on_its_own_mount(tmp_path: Path, state_dir: Path):
+    """A FUSE daemon SIGKILLed while one of its threads waits on a request to its own mount
+    that it had taken never exits: that thread waits, unkillable, for the answer, and keeps
+    /dev/fuse open, so the kernel never aborts the connection (how a CI run hung, see
+    docs/reliability.md). `umount` of such a mount (its daemons dead) aborts the connection
+    through fusectl: the thread gets its error, the process ends, the mount goes."""
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    script = tmp_path / "selfwait.py"
+    script.write_text(SELF_WAIT)
+    proc = subprocess.Popen([sys.executable, str(script), str(mp)])
+    try:
+        deadline = time.monotonic() + 20
+        while not _mountctl.is_mounted(str(mp)):
+            assert proc.poll() is None and time.monotonic() < deadline, "no mount"
+            time.sleep(0.05)
+        time.sleep(1.0)  # the thread's lookup is taken and waits
+        os.kill(proc.pid, signal.SIGKILL)
+        time.sleep(1.0)
+        assert proc.poll() is None, "the trap did not close: the process ended by itself"
+        assert len(os.listdir(f"/proc/{proc.pid}/task")) >= 2  # a zombie leader, a live thread
+        _mountctl.MountState(key="selfwait", template=str(mp), dest="", mountpoints=[str(mp)],
+                             pids=[proc.pid]).save()
+        r = run_cli("umount", mp, env=cli_env(state_dir))
+        assert "cleaned stale mount" in r.stderr, r.stderr
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+        assert not _mountctl.is_mounted(str(mp))
+    finally:
+        if proc.poll() is None:
+            _mountctl.abort_connection(str(mp))
+            proc.kill()
+            proc.wait(timeout=10)
+        _mountctl.lazy_unmount(str(mp))
+
+
 def test_stale_mount_without_state_file(dest: Path, tmp_path: Path, state_dir: Path):
     """A mount whose state file is gone (e.g. wiped /tmp) is still cleaned by `umount`."""
     mp = tmp_path / "mp"

@@ -142,6 +142,47 @@ def lazy_unmount(mountpoint: str) -> bool:
     return not is_mounted(mountpoint)
 
 
+FUSECTL = "/sys/fs/fuse/connections"
+
+
+def fuse_connection(mountpoint: str) -> str | None:
+    """The fusectl directory of the FUSE mount at `mountpoint` (named by the minor number of
+    its device, whose major is 0), or None if it is not a FUSE mount."""
+    mp = os.path.abspath(mountpoint)
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            pre, _, post = line.partition(b" - ")
+            fields = pre.split()
+            if (len(fields) > 4 and post.startswith(b"fuse")
+                    and _unescape_mountinfo(fields[4]) == mp):
+                major, _, minor = fields[2].partition(b":")
+                if major == b"0":
+                    return os.path.join(FUSECTL, minor.decode())
+    return None
+
+
+def abort_connection(mountpoint: str) -> bool:
+    """Abort the FUSE connection of a mount whose daemon is gone (fusectl's `abort`; mounts
+    fusectl first if need be; root only): every request still waiting fails at once. A daemon
+    killed while one of its threads waited on a request to its own mount (or on a page that a
+    request to it holds) never exits, since that thread cannot die and keeps /dev/fuse open,
+    and the kernel aborts a connection only when /dev/fuse is closed: this unsticks it. True
+    if the connection was aborted."""
+    conn = fuse_connection(mountpoint)
+    if conn is None:
+        return False
+    if not os.path.isdir(conn) and os.path.isdir(FUSECTL) and not os.listdir(FUSECTL):
+        with contextlib.suppress(FileNotFoundError, subprocess.TimeoutExpired):
+            subprocess.run(["mount", "-t", "fusectl", "fusectl", FUSECTL], capture_output=True,
+                           timeout=30)
+    try:
+        with open(os.path.join(conn, "abort"), "w") as f:
+            f.write("1")
+    except OSError:
+        return False
+    return True
+
+
 def check_mountpoint(mountpoint: str, allow_nonempty: bool = False) -> None:
     """Clear errors for the mountpoint problems users hit."""
     mp = os.path.abspath(mountpoint)
@@ -271,7 +312,12 @@ def umount(
     if st.launcher_pid:
         killed += stop_pids([st.launcher_pid], timeout)
     pids = list(st.pids) + ([st.launcher_pid] if st.launcher_pid else [])
-    # A mount still there after its daemon stopped (or died) is a stale one we had to clear.
+    # A mount still there after its daemon stopped (or died) is a stale one we had to clear:
+    # its connection aborted first, should a thread of the dead daemon wait on it for good.
+    if not any(pid_alive(p) for p in st.pids):
+        for mp in st.mountpoints:
+            if is_mounted(mp):
+                abort_connection(mp)
     cleared = [mp for mp in st.mountpoints if lazy_unmount(mp)]
     summary = None
     written = [d for d in st.local_dirs if has_written_files(d)]
