@@ -280,9 +280,11 @@ class Cluster:
         return r
 
     def fuse_mounts(self, k: int) -> list[str]:
-        """Mountpoints of FUSE file systems on node k."""
+        """Mountpoints of FUSE file systems on node k (not fusectl, the control file system at
+        /sys/fs/fuse/connections, which systemd mounts on most hosts)."""
         with open(f"/proc/{self.node_pid(k)}/mounts") as f:
-            return [ln.split()[1] for ln in f if ln.split()[2].startswith("fuse")]
+            return [ln.split()[1] for ln in f
+                    if ln.split()[2] == "fuse" or ln.split()[2].startswith("fuse.")]
 
     def procs(self, k: int, needle: str = "fanstore_fuse") -> list[tuple[int, str]]:
         """(pid, command line) of node k's processes whose command line contains `needle`."""

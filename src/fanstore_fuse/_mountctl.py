@@ -107,6 +107,11 @@ def find_state(mountpoint: str) -> MountState | None:
     return None
 
 
+def is_fuse_type(fstype: str) -> bool:
+    """A FUSE file system's type (`fuse`, `fuse.NAME`, `fuseblk`), not fusectl's."""
+    return fstype in ("fuse", "fuseblk") or fstype.startswith("fuse.")
+
+
 def fuse_mounts() -> dict[str, str]:
     """Mountpoint -> fstype for FUSE mounts, from /proc/self/mountinfo (works on dead mounts)."""
     out: dict[str, str] = {}
@@ -115,7 +120,7 @@ def fuse_mounts() -> dict[str, str]:
             pre, _, post = line.partition(b" - ")
             fields = pre.split()
             fstype = os.fsdecode(post.split()[0]) if post.split() else ""
-            if fstype.startswith("fuse"):
+            if is_fuse_type(fstype):
                 out[_unescape_mountinfo(fields[4])] = fstype
     return out
 
@@ -153,8 +158,8 @@ def fuse_connection(mountpoint: str) -> str | None:
         for line in f:
             pre, _, post = line.partition(b" - ")
             fields = pre.split()
-            if (len(fields) > 4 and post.startswith(b"fuse")
-                    and _unescape_mountinfo(fields[4]) == mp):
+            fstype = os.fsdecode(post.split()[0]) if post.split() else ""
+            if len(fields) > 4 and is_fuse_type(fstype) and _unescape_mountinfo(fields[4]) == mp:
                 major, _, minor = fields[2].partition(b":")
                 if major == b"0":
                     return os.path.join(FUSECTL, minor.decode())
