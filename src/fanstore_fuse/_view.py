@@ -117,7 +117,7 @@ class MountView(ViewMeta):
         self._used: dict[int, float] = {}  # written inode: when its handle was last used
         self._pinned: set[int] = set()  # unlinked written inodes kept for their open files
         self._busy: dict[int, int] = {}  # written inode: requests using its handle now
-        self._rehash_took: dict[int, float] = {}  # written inode: its last commit's whole hash, s
+        self._rehash_took: dict[int, float] = {}  # written inode: its last commit's hashing, s
         self._handles_added = trio.Event()  # wakes run_closer
         self._remote_files: dict[int, OpenRemote] = {}  # remote inode: snapshot
         self._remote_read: OrderedDict[int, None] = OrderedDict()  # the last ones read
