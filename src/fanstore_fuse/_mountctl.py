@@ -112,17 +112,23 @@ def is_fuse_type(fstype: str) -> bool:
     return fstype in ("fuse", "fuseblk") or fstype.startswith("fuse.")
 
 
-def fuse_mounts() -> dict[str, str]:
-    """Mountpoint -> fstype for FUSE mounts, from /proc/self/mountinfo (works on dead mounts)."""
-    out: dict[str, str] = {}
+def _fuse_mountinfo() -> dict[str, tuple[str, str]]:
+    """Mountpoint -> (fstype, "major:minor") of FUSE mounts, from /proc/self/mountinfo (works on
+    dead mounts)."""
+    out: dict[str, tuple[str, str]] = {}
     with open("/proc/self/mountinfo", "rb") as f:
         for line in f:
             pre, _, post = line.partition(b" - ")
             fields = pre.split()
             fstype = os.fsdecode(post.split()[0]) if post.split() else ""
-            if is_fuse_type(fstype):
-                out[_unescape_mountinfo(fields[4])] = fstype
+            if len(fields) > 4 and is_fuse_type(fstype):
+                out[_unescape_mountinfo(fields[4])] = (fstype, fields[2].decode())
     return out
+
+
+def fuse_mounts() -> dict[str, str]:
+    """Mountpoint -> fstype for FUSE mounts (works on dead mounts)."""
+    return {mp: fstype for mp, (fstype, _) in _fuse_mountinfo().items()}
 
 
 def _unescape_mountinfo(field: bytes) -> str:
@@ -153,17 +159,11 @@ FUSECTL = "/sys/fs/fuse/connections"
 def fuse_connection(mountpoint: str) -> str | None:
     """The fusectl directory of the FUSE mount at `mountpoint` (named by the minor number of
     its device, whose major is 0), or None if it is not a FUSE mount."""
-    mp = os.path.abspath(mountpoint)
-    with open("/proc/self/mountinfo", "rb") as f:
-        for line in f:
-            pre, _, post = line.partition(b" - ")
-            fields = pre.split()
-            fstype = os.fsdecode(post.split()[0]) if post.split() else ""
-            if len(fields) > 4 and is_fuse_type(fstype) and _unescape_mountinfo(fields[4]) == mp:
-                major, _, minor = fields[2].partition(b":")
-                if major == b"0":
-                    return os.path.join(FUSECTL, minor.decode())
-    return None
+    found = _fuse_mountinfo().get(os.path.abspath(mountpoint))
+    if found is None:
+        return None
+    major, _, minor = found[1].partition(":")
+    return os.path.join(FUSECTL, minor) if major == "0" else None
 
 
 def abort_connection(mountpoint: str) -> bool:
