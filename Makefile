@@ -64,7 +64,7 @@ bench-quick: $(STAMP)
 	$(CALM) $(PY) -m bench.run --quick
 	$(CALM) $(PY) -m bench.metadata_scale --files 2000 --files 10000
 	$(CALM) $(PY) -m bench.cost
-	$(CALM) $(PY) -m bench.smallfile --rounds 3 --anchors squashfuse_ll,ratarmount,ext4,fanstore-copy-cached
+	$(CALM) $(PY) -m bench.smallfile --rounds 3 --anchors squashfuse_ll,ratarmount,nullfs,ext4,fanstore-copy-cached
 	$(CALM) $(PY) -m bench.epoch2
 	$(CALM) $(PY) -m bench.fio --quick --files rand --systems ext4,squashfuse,fanstore1
 
