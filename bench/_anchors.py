@@ -29,7 +29,7 @@ class System:
 
     def __init__(self, ds: Dataset, work: Path, level: int, mount_timeout: float = 300):
         self.ds = ds
-        self.work = work  # per-session scratch dir (unique path: also the daemon pid marker)
+        self.work = work  # per-run scratch dir (unique path: also the daemon pid marker)
         self.level = level
         self.mount_timeout = mount_timeout
         self.root = ""

@@ -125,7 +125,7 @@ class FanStore(System):
         self.locals = locs
         marker = str(Path(mps[0]).parent if self.ranks > 1 else mps[0])
         # one Mount record per rank; rank 0's also kills every daemon whose cmdline names our
-        # (unique, per-session) mount path, and removes the local copies
+        # (unique, per-run) mount path, and removes the local copies
         # (`umount` of the template, or of the single mountpoint, stops every rank)
         for i, mp in enumerate(mps):
             register(Mount(

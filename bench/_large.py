@@ -75,9 +75,8 @@ def run_large(work: Path, src: Path, rounds: int) -> dict:
     cmd, cenv, _ = cli_command()
     assert cmd is not None
     # Prepped afresh by this build, every run: a DEST left by an earlier build keeps that
-    # build's layout (before the tenth session: blob data not 64-aligned), and its page cache
-    # whatever state earlier runs left (4 KiB pages from a daemon's cold reads copy out at about
-    # half the speed of a fresh write's large folios: docs/performance.md, tenth session).
+    # build's layout, and its page cache whatever state earlier runs left (4 KiB pages from a
+    # daemon's cold reads copy out slower than a fresh write's large folios).
     rm_rf(ldest)
     run_cmd([*cmd, "prep", str(lsrc), str(ldest), "--partitions", "8", "--quiet"],
             env={**os.environ, **cenv})

@@ -139,7 +139,7 @@ def wait_mounted(
 
 
 def pids_with_arg(substr: str) -> list[int]:
-    """Pids (not ours) whose command line contains substr (a unique per-session path)."""
+    """Pids (not ours) whose command line contains substr (a unique per-run path)."""
     me = os.getpid()
     out = []
     for d in os.listdir("/proc"):

@@ -5,8 +5,7 @@ party.
   the hypervisor ran something else. FUSE file systems pay it on every round trip between the
   reader and the daemon; ext4 with no daemon much less.
 
-Two kernel features of the bench machine take memory from under a pass (seventeenth session,
-docs/performance.md):
+Two kernel features of the bench machine take memory from under a pass:
 
 - **DAMON pageout.** A kdamond (``/sys/kernel/mm/damon/admin/kdamonds/N``) monitors physical
   memory and pages out file pages of regions it finds idle (here: at most one access in a 5 s

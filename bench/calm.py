@@ -3,10 +3,8 @@
 This machine's kernel hands free memory back to the hypervisor (free page reporting,
 bench/_vmnoise.py). ``drop_caches`` before every cold pass frees gigabytes, which are reported
 at once (``min_free_ms`` 0), and the next pass writes its page cache and buffers into memory the
-host must fault in again. Runs that land there copy 3-4x slower: the "sporadic slow runs" of
-docs/performance.md, which hit every system (squashfuse's seq1M runs of 597-827 MiB/s beside
-2,025-2,119 in one run; fanstore-fuse's 627-907 beside 1,569-1,720 in another). A cluster node
-on bare metal has no such step.
+host must fault in again. Runs that land there copy several times slower, whatever the
+system. A cluster node on bare metal has no such step.
 
 While CMD runs, reporting waits `--hold-ms` (default 300 s, the most this kernel takes) after
 memory is freed, and holds back up to the machine's memory (`max_waiting_mib`, default 1024:
@@ -15,16 +13,12 @@ so the memory a pass frees is still backed when the next pass takes it;
 every system in the run is measured under the same setting.
 
 Memory this VM has not touched since it booted (or since it was last reported) is not backed
-either: the first write to each page waits for the host, ~2.2 s per GiB here (measured: 6 GiB
-touched in 13.4 s). Whatever phase of a bench first takes such pages pays it: the Slurm
-cluster bench's whole-file pass (disk cache on) ran at 350-555 MB/s in 4 of 6 runs (its
-writer and the FUSE thread copying into fresh page cache at ~0.3-0.4 GB/s; 1,489-1,554 in
-the other two) and at 1,404-1,545 MB/s in 3 of 3 runs after a prefault (docs/performance.md,
-twenty-third session). So before CMD runs, `--prefault-gib` (default 6; 0: none) GiB are
-written once and freed while reporting is held back: the pages the bench then takes within
-the hold are backed. (With a 60 s hold a `make bench-quick` still logged `[vm: 268 MiB
-reported to the host]` in a pass that ran about a minute after the prefault, at half its
-rate.)
+either: the first write to each page waits for the host, and whatever phase of a bench first
+takes such pages pays it (a pass copying into fresh page cache, say). So before CMD runs,
+`--prefault-gib` (default 6; 0: none) GiB are written once and freed while reporting is held
+back: the pages the bench then takes within the hold are backed. The hold is long (300 s):
+a pass that runs after it has ended may find its memory reported again (bench/_vmnoise.py
+logs it).
 
 The old value is put back when CMD ends (also on Ctrl-C or a failure). Where the knob is absent
 (another kernel) or not writable (not root), CMD runs as it is, without a prefault; a line says
@@ -41,9 +35,8 @@ import time
 from pathlib import Path
 
 MIN_FREE_MS = Path("/sys/module/page_reporting/parameters/min_free_ms")
-# Past this many MiB waiting, freed memory is reported at once whatever min_free_ms says
-# (measured: 1,152 MiB of 4 GiB freed went to the host within 8 s at the default 1024, none
-# with it at the machine's size).
+# Past this many MiB waiting, freed memory is reported at once whatever min_free_ms says;
+# raised to the machine's memory while CMD runs.
 MAX_WAITING_MIB = Path("/sys/module/page_reporting/parameters/max_waiting_mib")
 
 

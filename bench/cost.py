@@ -161,9 +161,8 @@ def read_files(root: str, rels: list[str], seed: int = 1) -> list[float]:
     as bench.smallfile's single reader); seconds per file (open to close).
 
     Not in `rels`' order: that walks the 20 directories in turn, 20 sequential streams
-    through the image or partitions, which the disk's read-ahead (8 MiB on this machine's
-    vda) mostly prefetches, so "cold" measured a prefetched scan (docs/performance.md,
-    "Why bench.cost and bench.smallfile disagreed on cold small files")."""
+    through the image or partitions, which the disk's read-ahead mostly prefetches: "cold"
+    would measure a prefetched scan, not an epoch's random reads."""
     order = list(rels)
     random.Random(seed).shuffle(order)
     out = []
@@ -336,8 +335,7 @@ def run_remote(work: Path, dest: Path, rels: list[str], envs: list[dict], rounds
         out = []
         for fan, env, r in zip(fans, [{}, *envs], runs, strict=True):
             res = sorted(r, key=lambda d: d["cpu_us_per_file"])[len(r) // 2]
-            # each pass over the local pass of its own round: the VM drifts over minutes
-            # (the local pass alone moved 116-343 us per file within one session), so
+            # each pass over the local pass of its own round: the VM drifts over minutes, so
             # passes of one round compare best (the bar: their median, as bench.epoch2's)
             res.update(round_ratios={k: [round(d[k] / max(a[k], 1e-9), 3) for d, a in
                                          zip(r, runs[0], strict=True)]
@@ -418,11 +416,9 @@ def main(argv: list[str] | None = None) -> int:
             # Warm passes in cycles, one per mount: caches dropped, every mount's page cache
             # filled the same way (its daemon's local copy read in, then one unmeasured pass),
             # this cycle's mount first, then interleaved passes. On this VM the mount filled
-            # first after a drop reads warm slower, whatever its mode: the reader's read() of
-            # the same page-cache bytes took 12-16 us against 8-10, with the same FUSE requests
-            # (twentieth session). Until then the writable mount was always that one (filled by
-            # writable_cold), and the read-only mount's first "warm" pass was a cold one
-            # (writable_cold's drop_caches emptied it: 2.5k files/s against 15-30k).
+            # first after a drop reads warm slower, whatever its mode (the reader's read() of
+            # the same page-cache bytes, with the same FUSE requests), so every mount takes
+            # that place once; and no mount's first warm pass follows another's drop_caches.
             runs: dict[str, list[dict]] = {k: [] for k in fans}
             asked = {k: [0, 0] for k in fans}  # requests in the measured passes: C, Python
             names = list(fans)

@@ -1,6 +1,5 @@
 """A sequential reader of a large remote file on a default 2-rank mount: how many times its
-chunks travel, disk cache on and off (docs/performance.md, "Double fetches with the disk cache
-on", ninth session).
+chunks travel, disk cache on and off.
 
     python bench/remote_seq.py --work /tmp/x [--mib 128] [--rounds 2] [--build NAME=PYTHONPATH]
 

@@ -7,7 +7,7 @@ TID/stat``) and context switches (``/proc/PID/task/TID/status``, voluntary + inv
 file, named by the thread's name (the C threads name themselves ``fsr-remote``/``fsr-worker``;
 Python's threads show as ``python3``), and the C remote thread's counters (``status``) per file.
 Context switches and counters do not swell with the machine's load as CPU time does: the
-figures to compare on a loaded 2-core machine. (issue 11; docs/performance.md, sixth session)
+figures to compare on a loaded 2-core machine.
 """
 
 from __future__ import annotations

@@ -8,8 +8,7 @@ environment, drops the page cache, reads the file once from start to end and unm
 bs=1M` (buffered), or fio 1 MiB reads with `psync` (buffered) or `libaio` (O_DIRECT, 16 in
 flight). The daemon's CPU (schedstat of every thread) per MiB and the MiB/s are printed per run
 and as medians. The settings run in alternating order, round after round, so that the VM's drift
-over minutes touches them alike (docs/performance.md, twenty-first session: `--ab
-FANSTORE_MAPREAD=1 --ab FANSTORE_MAPREAD=0`). Run it under `python -m bench.calm`.
+over minutes touches them alike. Run it under `python -m bench.calm`.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def _mount(kind: str, env: dict) -> tuple[Path, list[int], subprocess.Popen | No
 def machine_busy_s() -> float:
     """CPU seconds all CPUs spent not idle (/proc/stat: user .. steal, less idle and iowait).
     Unlike a profiler's samples, this includes the context switches' own time, which a sampling
-    profiler charges to whatever runs next (docs/performance.md, fifteenth session)."""
+    profiler charges to whatever runs next."""
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:9]]
     return (sum(v) - v[3] - v[4]) / TICK
