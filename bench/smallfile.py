@@ -231,14 +231,25 @@ class FanMount:
         self.fan.close()
 
 
+def _requests_cell(m: dict) -> str:
+    """FUSE requests per file of a cell: its passes' first and last when they differ."""
+    passes = m.get("requests_per_file_passes", [])
+    if len(passes) > 1 and passes[0] != passes[-1]:
+        return f"{passes[0]:.2f} / {passes[-1]:.2f}"
+    return f"{m['requests_per_file']:.2f}" if "requests_per_file" in m else "n/a"
+
+
 def _median_pass(mnt: object, files: list[tuple[str, int]], readers: int, cold: bool,
                  passes: int) -> dict:
     """The median (by files/s) of `passes` passes back to back; a warm pass of 2,000 files
     takes ~0.2 s, so one of them swings +-15% between runs: several, the middle one kept."""
     rs = [_pass(mnt, files, readers, cold) for _ in range(passes)]
+    per_pass = [r["requests_per_file"] for r in rs if "requests_per_file" in r]
     rs.sort(key=lambda r: r.get("files_per_s", 0))
     r = rs[(len(rs) - 1) // 2]
     r["passes"] = [round(x.get("files_per_s", 0)) for x in rs]
+    if len(per_pass) == len(rs):  # in pass order: a first warm pass may differ from later ones
+        r["requests_per_file_passes"] = [round(x, 3) for x in per_pass]
     return r
 
 
@@ -347,10 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in systems:
         if name in ("ext4",):
             continue
-        cells = "".join(f"{best[name][k]['requests_per_file']:>22.2f}"
-                        if "requests_per_file" in best[name][k] else f"{'n/a':>22}" for k in keys)
-        print(f"  {name:30}{cells}")
-    print("  (n/a: the daemon does not count the FUSE requests it answers)")
+        print(f"  {name:30}" + "".join(f"{_requests_cell(best[name][k]):>22}" for k in keys))
+    print("  (warm: first / last of the passes in a row; n/a: the daemon does not count the "
+          "FUSE requests it answers)")
     print(f"  {'  warm target (fanstore)':30}" + "".join(
         f"{'0' if k.startswith('warm') else '':>22}" for k in keys))
     refs = {"ext4": "ext4 (no FUSE) / ratarmount",  # can a FUSE file system reach the bar?
