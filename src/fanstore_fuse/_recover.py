@@ -13,7 +13,7 @@ import os
 import shutil
 
 from ._errors import FanstoreError
-from ._mountctl import LOCAL_MARKER, _is_ours, pid_alive
+from ._mountctl import LOCAL_MARKER, _is_ours, mark_saved, pid_alive, writes_fingerprint
 from ._safepath import Escape, dir_beneath
 from ._stageout import StageFailure, StageOutSummary, stage_out
 from .writes import JOURNAL_NAME, WRITES_DIR, WriteStore
@@ -71,9 +71,12 @@ def recover(
             f"{local_dir} belongs to running daemon pid {pid}: use `fanstore-fuse umount "
             "--stage-out` instead (or force)"
         )
+    before = writes_fingerprint(local_dir)
     store = WriteStore(local_dir, readonly=True)
     try:
         summary = stage_out([store], out_dir, workers, verify_dest, unclosed_is_failure=False)
+        if summary.ok and not summary.unclosed:  # every written file saved: the epilog may go
+            mark_saved(local_dir, out_dir, before)
         if salvage_unclosed:
             for u in summary.unclosed:
                 try:
