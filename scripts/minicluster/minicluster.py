@@ -323,13 +323,26 @@ class Cluster:
     def submit(self, script: str | os.PathLike[str], *args: str, timeout: float = 300.0,
                env: dict[str, str] | None = None) -> JobResult:
         """sbatch SCRIPT ARGS, wait until it ends (scancel after `timeout`), return its result."""
+        return self.wait(self.sbatch(script, *args, env=env), timeout)
+
+    def sbatch(self, script: str | os.PathLike[str], *args: str,
+               env: dict[str, str] | None = None) -> int:
+        """sbatch SCRIPT ARGS; the job id, at once (`wait` for the result)."""
         out = self.shared / "jobs" / "slurm-%j.out"
         r = subprocess.run(["sbatch", "--parsable", f"--output={out}", *args, str(script)],
                            env=env or self.env(), capture_output=True, text=True, timeout=60)
         if r.returncode != 0:
             raise ClusterError(f"sbatch failed: {r.stderr.strip()}")
-        job = int(r.stdout.strip().split(";")[0])
-        return self.wait(job, timeout)
+        return int(r.stdout.strip().split(";")[0])
+
+    def steps(self, job: int) -> list[str]:
+        """The job's running steps as `squeue -s` lists them (`JOB.batch`, `JOB.0`, ...)."""
+        r = subprocess.run(["squeue", "-h", "-s", "-j", str(job), "-o", "%i"], env=self.env(),
+                           capture_output=True, text=True, timeout=60)
+        return r.stdout.split()
+
+    def job_output(self, job: int) -> str:
+        return self._job_output(job)
 
     def job_fields(self, job: int) -> dict[str, str]:
         r = subprocess.run(["scontrol", "show", "job", "-o", str(job)], env=self.env(),

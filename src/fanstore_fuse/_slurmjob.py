@@ -304,6 +304,7 @@ def user_epilog(plan: JobPlan) -> tuple[bool, list[str]]:
 
     lines: list[str] = []
     ok = True
+    saved = saved_to(plan.local)  # `umount` below removes such a dir itself
     if find_state(plan.mountpoint) is not None:
         res = umount(plan.mountpoint, 15.0)
         lines.append(f"{'cleaned stale mount' if res.stale else 'unmounted'} {plan.mountpoint}")
@@ -328,7 +329,7 @@ def user_epilog(plan: JobPlan) -> tuple[bool, list[str]]:
         how = f" --stage-out {plan.stage_out}" if plan.stage_out else " --stage-out DIR"
         lines.append(f"written files kept in {plan.local}: `fanstore-fuse recover {plan.local}{how}`")
     else:
-        saved = saved_to(plan.local)
+        saved = saved_to(plan.local) or saved
         remove_local_dir(plan.local)
         if saved is not None:
             lines.append(f"removed {plan.local}: its written files are saved in {saved}")

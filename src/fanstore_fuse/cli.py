@@ -460,7 +460,7 @@ def slurm_epilog(plan: str | None = typer.Option(None, "--plan", hidden=True)) -
     r = _as_job_user(p, "slurm-epilog", 3600)
     out = " ".join((r.stdout + r.stderr).split()) if r else "timed out"
     forced = lazy_unmount(p.mountpoint)  # a backstop: nothing of this job stays mounted
-    where = f"job {p.job_id} node {max(p.node_index, 0)}"
+    where = f"job {p.job_id}" + (f" node {p.node_index}" if p.node_index >= 0 else "")
     sj.log(p.job_id, p.node, f"epilog {where}: {out}" + ("; forced unmount" if forced else ""))
     err.print(f"{where}: {out}", highlight=False)
     if recorded and r is not None and r.returncode == 0:
