@@ -392,6 +392,8 @@ def serve(cfg: MountConfig) -> int:
             group.remove()
         with contextlib.suppress(OSError):  # the state dir too, once nothing is left in it
             os.rmdir(state_dir())
+        # Done: a rank left waiting in MPI_Finalize for the others may be ended by SIGTERM.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         logging.shutdown()
     return code
 

@@ -1,9 +1,11 @@
 """Crash recovery: rescue the written files of a local dir whose daemon is gone (e.g. SIGKILL).
 
-Pure library code. The journal is replayed read-only (nothing in the local dir is changed);
+Pure library code. The journal is replayed read-only (the written files are not changed);
 every file closed (or fsync'd) before the crash, whose bytes still match the recorded xxh3, is
 staged out exactly as `_stageout.stage_out` does; files open for writing at the crash are
 reported in `unclosed` (optionally salvaged, unverified, under `out_dir/.fanstore-unclosed/`).
+When every written file was saved, the local dir is marked so (`_mountctl.mark_saved`): the
+SLURM epilog and `umount` then remove it instead of keeping it for another rescue.
 """
 
 from __future__ import annotations
