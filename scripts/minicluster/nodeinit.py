@@ -30,17 +30,24 @@ def drop_inherited_fuse_mounts() -> None:
         subprocess.run([b"umount", b"-l", raw], stderr=subprocess.DEVNULL, check=False)
 
 
+def mount(*args: str) -> None:
+    r = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        why = " ".join(r.stderr.split()) or f"exit status {r.returncode}"
+        raise OSError(f"mount {' '.join(args)}: {why}")
+
+
 def private_tmp(tmpdir: str, keep: Path, needed: list[str]) -> None:
     """Bind `tmpdir` on /tmp, keeping what `needed` (the checkout, the interpreter) has under
     the host's /tmp: each such entry of /tmp is bound aside first, then back at its place."""
     tops = jobuser.tmp_tops(needed)
     for top in tops:
         (keep / "tmp" / top).mkdir(parents=True, exist_ok=True)
-        subprocess.run(["mount", "--rbind", f"/tmp/{top}", str(keep / "tmp" / top)], check=True)
-    subprocess.run(["mount", "--bind", tmpdir, "/tmp"], check=True)
+        mount("--rbind", f"/tmp/{top}", str(keep / "tmp" / top))
+    mount("--bind", tmpdir, "/tmp")
     for top in tops:
         Path("/tmp", top).mkdir(exist_ok=True)
-        subprocess.run(["mount", "--rbind", str(keep / "tmp" / top), f"/tmp/{top}"], check=True)
+        mount("--rbind", str(keep / "tmp" / top), f"/tmp/{top}")
 
 
 name, tmpdir, cmd = sys.argv[1], sys.argv[2], sys.argv[3:]
