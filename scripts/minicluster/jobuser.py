@@ -65,3 +65,15 @@ def open_dirs(keep: Path, paths: list[str]) -> list[Path]:
 def interpreter_paths(*more: str) -> list[str]:
     """What this interpreter needs to run: its binary, its prefixes, and `more`."""
     return [os.path.realpath(sys.executable), sys.prefix, sys.base_prefix, *more]
+
+
+def tmp_tops(paths: list[str]) -> list[str]:
+    """The entries of /tmp that `paths` lie under (a checkout or venv under /tmp), which a
+    node's private /tmp would hide: nodeinit.py binds them back into it."""
+    tops = set()
+    for p in paths:
+        parts = Path(os.path.realpath(p)).parts
+        if len(parts) > 2 and parts[:2] == ("/", "tmp"):
+            tops.add(parts[2])
+    return sorted(tops)
+

@@ -10,7 +10,8 @@ process table: a prolog's `pkill` cannot reach another node).
     minicluster.py stop   --dir DIR [--purge]
     minicluster.py sweep  [--dir /var/tmp]       (stop and purge DIR/slurm-mc-* whose owner died)
 
-DIR must not be under /tmp (every node's /tmp is its own). Clients need `SLURM_CONF=DIR/etc/
+DIR must not be under /tmp (every node's /tmp is its own); a checkout or venv under /tmp is
+bound into every node's /tmp. Clients need `SLURM_CONF=DIR/etc/
 slurm.conf` (printed by `start`); jobs between nodes should use `UCX_TLS=tcp,self` (see
 docs/slurm.md). Needs root, `unshare`, `nsenter` and Debian's `slurm-wlm munge`.
 """
@@ -32,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import owner  # noqa: E402
+from jobuser import interpreter_paths, tmp_tops  # noqa: E402
 from slurmconf import ConfSpec, node_names, pick_ports, render  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -145,7 +147,9 @@ class Cluster:
         self.conf.write_text(render(spec))
         self.info = {"ctld_port": ports[0], "node_ports": ports[1:], "prolog": prolog,
                      "epilog": epilog, "mpi_default": mpi_default, "prolog_flags": prolog_flags,
-                     "owner": owner.record(owner_pid) if owner_pid else None}
+                     "owner": owner.record(owner_pid) if owner_pid else None,
+                     # entries of the host's /tmp each node binds into its own (nodeinit.py)
+                     "tmp_binds": tmp_tops(interpreter_paths(str(REPO)))}
         self._save()
         if owner_pid and watch:
             self._spawn("watch", [sys.executable, str(HERE / "minicluster.py"), "watch",
@@ -197,12 +201,18 @@ class Cluster:
             "unshare", "--uts", "--mount", "--pid", "--fork", "--mount-proc",
             "--propagation", "private", "--", sys.executable, str(HERE / "nodeinit.py"), name,
             str(self.node_tmp(k)), "slurmd", "-D", "-N", name, "-f", str(self.conf)])
-        self._wait(lambda: bool(_children(outer)), 20, f"{name}: unshare did not start slurmd")
+        def started() -> bool:
+            if not _alive(outer) and not _children(outer):
+                raise ClusterError(self._node_failure(name))
+            return bool(_children(outer)) and _runs(_children(outer)[0], "nodeinit.py")
+        self._wait(started, 20, f"{name}: unshare did not start slurmd")
         self.pids[f"node-{name}"] = _children(outer)[0]
 
     def _wait_idle(self, timeout: float) -> None:
         def idle() -> bool:
             for name, pid in self.pids.items():
+                if not _alive(pid) and name.startswith(("node-", "unshare-")):
+                    raise ClusterError(self._node_failure(name.split("-", 1)[1]))
                 if not _alive(pid):
                     raise ClusterError(f"{name} (pid {pid}) exited; see {self.root / 'log'}")
             r = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], env=self.env(),
@@ -210,6 +220,12 @@ class Cluster:
             states = [ln.split()[1] for ln in r.stdout.splitlines() if ln.strip()]
             return len(states) == self.nodes and all(s == "idle" for s in states)
         self._wait(idle, timeout, "nodes did not become idle")
+
+    def _node_failure(self, name: str) -> str:
+        """Why node `name` did not start: nodeinit.py's one line, else where to look."""
+        p = self.root / "log" / f"unshare-{name}.out"
+        lines = p.read_text(errors="replace").strip().splitlines() if p.exists() else []
+        return lines[-1] if lines else f"{name}: unshare exited; see {p}"
 
     def _wait(self, cond, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -299,19 +315,34 @@ class Cluster:
 
     def local_entries(self, k: int, prefix: str = "fanstore") -> list[str]:
         """Names in node k's /tmp that start with `prefix` (mountpoints, local copies, state)."""
-        return sorted(p.name for p in self.node_tmp(k).iterdir() if p.name.startswith(prefix))
+        binds = set(self.info.get("tmp_binds") or ())  # type: ignore[arg-type]
+        return sorted(p.name for p in self.node_tmp(k).iterdir()
+                      if p.name.startswith(prefix) and p.name not in binds)
 
     # -- jobs -------------------------------------------------------------------------------
     def submit(self, script: str | os.PathLike[str], *args: str, timeout: float = 300.0,
                env: dict[str, str] | None = None) -> JobResult:
         """sbatch SCRIPT ARGS, wait until it ends (scancel after `timeout`), return its result."""
+        return self.wait(self.sbatch(script, *args, env=env), timeout)
+
+    def sbatch(self, script: str | os.PathLike[str], *args: str,
+               env: dict[str, str] | None = None) -> int:
+        """sbatch SCRIPT ARGS; the job id, at once (`wait` for the result)."""
         out = self.shared / "jobs" / "slurm-%j.out"
         r = subprocess.run(["sbatch", "--parsable", f"--output={out}", *args, str(script)],
                            env=env or self.env(), capture_output=True, text=True, timeout=60)
         if r.returncode != 0:
             raise ClusterError(f"sbatch failed: {r.stderr.strip()}")
-        job = int(r.stdout.strip().split(";")[0])
-        return self.wait(job, timeout)
+        return int(r.stdout.strip().split(";")[0])
+
+    def steps(self, job: int) -> list[str]:
+        """The job's running steps as `squeue -s` lists them (`JOB.batch`, `JOB.0`, ...)."""
+        r = subprocess.run(["squeue", "-h", "-s", "-j", str(job), "-o", "%i"], env=self.env(),
+                           capture_output=True, text=True, timeout=60)
+        return r.stdout.split()
+
+    def job_output(self, job: int) -> str:
+        return self._job_output(job)
 
     def job_fields(self, job: int) -> dict[str, str]:
         r = subprocess.run(["scontrol", "show", "job", "-o", str(job)], env=self.env(),

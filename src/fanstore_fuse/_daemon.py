@@ -41,6 +41,7 @@ from ._mountctl import (
 )
 from ._readahead import enable_fuse_uring, hold_readahead, set_readahead
 from ._settings import Settings
+from ._stageout_all import StopRequest, serve_requests
 from ._startup import Exchange, MappedPages, PeerFailed, Phases, Staged, stage
 from ._transport import Transport, mpi_env_defaults, unlink_shared_segments
 from ._view import ENTRY_TIMEOUT, MountView
@@ -284,15 +285,21 @@ def serve(cfg: MountConfig) -> int:
     error = ""
     exchange = Exchange(comm, nranks)
     pages: MappedPages | None = None
+    stop = StopRequest()
     try:
         settings = Settings.from_env()
         if cfg.cache_size is not None:
             settings = dataclasses.replace(settings, cache_size=cfg.cache_size)
         ready = _setup(cfg, rank, nranks, m, exchange)
         pages = MappedPages(ready.manifest)
-        m.parts = compose(ready.manifest, ready.store, cfg.dest, ready.placement, rank,
-                          lambda table: open_transport(comm, table, settings), m.writes, settings,
-                          m.held, cfg.peer_timeout, cfg.warm_metadata, cache_dir=m.local)
+
+        def connect(table: Any) -> Transport:
+            stop.register(table)  # `umount` on another node ends this one too
+            return open_transport(comm, table, settings)
+
+        m.parts = compose(ready.manifest, ready.store, cfg.dest, ready.placement, rank, connect,
+                          m.writes, settings, m.held, cfg.peer_timeout, cfg.warm_metadata,
+                          cache_dir=m.local)
         m.clock("compose")
         _mount(cfg, m, m.parts.view, settings)
         m.clock("fuse init")
@@ -363,11 +370,12 @@ def serve(cfg: MountConfig) -> int:
         c = CRemote.start(comm, ready.store, m.parts.remote, m.parts.disk_cache, cfg.peer_timeout)
         if c is not None:
             side.append(c.run)
-    if nranks > 1 and cfg.writable:
+    if nranks > 1:
         mine = {i["rank"] for i in here}
         others = [r for r in range(nranks) if r not in mine]
         side.append(_stageout_requests(group.key, others, [i["host"] for i in infos],
-                                       m.parts.transport))
+                                       m.parts.transport, cfg.writable))
+        side.append(functools.partial(stop.wait, pyfuse3.terminate))
     try:
         side.append(functools.partial(hold_readahead, m.mountpoint, cfg.readahead_kb))
         trio.run(_serve, m.parts, cfg.max_tasks, side)
@@ -375,10 +383,17 @@ def serve(cfg: MountConfig) -> int:
         log.exception("daemon stopped on an error")
         code = 1
     finally:
+        # A SIGTERM now (srun's, or a second `umount`) would end the teardown half-way: the
+        # unmount and the removal of the local copy finish first.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         m.teardown()
         own.remove()
-        if rank == 0:
+        if rank == 0 or here[0]["rank"] == rank:  # the rank that saved it on this host
             group.remove()
+        with contextlib.suppress(OSError):  # the state dir too, once nothing is left in it
+            os.rmdir(state_dir())
+        # Done: a rank left waiting in MPI_Finalize for the others may be ended by SIGTERM.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         logging.shutdown()
     return code
 
@@ -405,15 +420,14 @@ async def _prime_no_open(mountpoint: str, view: MountView) -> None:
                                stderr=subprocess.DEVNULL)
 
 
-def _stageout_requests(key: str, others: list[int], hosts: list[str], transport: Transport):
-    """A side task of a multi-rank daemon: answering `umount --stage-out` run on this node for
-    every node (see `_stageout_all`)."""
-    from ._stageout_all import serve_requests
-
+def _stageout_requests(key: str, others: list[int], hosts: list[str], transport: Transport,
+                       writable: bool):
+    """A side task of a multi-rank daemon: answering `umount [--stage-out]` run on this node
+    for every node (see `_stageout_all`)."""
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # until trio listens for it
 
     async def side() -> None:
-        await serve_requests(key, others, hosts, transport)
+        await serve_requests(key, others, hosts, transport, writable)
 
     return side
 

@@ -174,9 +174,11 @@ def start_ranks(argv: list[str], template: str, ranks: int | None, timeout: floa
     st = find_state(template)
     if st is None:
         raise FanstoreError("ranks reported ready but left no state file")
-    # umount stops mpiexec after the local ranks. Not srun: every node's umount stops its own
-    # daemon, and srun ends by itself; stopping it would kill daemons still unmounting elsewhere.
+    # umount stops mpiexec after the local ranks. Not srun: umount tells every node's daemon to
+    # end, and srun ends by itself once they have; stopping it first would kill daemons still
+    # unmounting elsewhere, so umount waits for it (`MountState.step_pid`).
     st.launcher_pid = 0 if cmd[0] == "srun" else proc.pid
+    st.step_pid = proc.pid if cmd[0] == "srun" else 0
     st.log = logp
     st.save()
     if summary:

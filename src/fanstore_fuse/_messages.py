@@ -45,6 +45,7 @@ OP_W_LIST = 10  # body = msgpack dir path -> msgpack [entries]
 OP_W_READ = 11  # arg = chunk, body = msgpack [path, n] -> n bytes at chunk*CHUNK (reader verifies)
 OP_STAGE_OUT = 12  # body = msgpack out dir -> msgpack stage-out summary of the rank's written files
 OP_W_SYNC = 13  # body = msgpack path -> msgpack entry (the writer commits and publishes it first)
+OP_STOP = 14  # -> ack; the rank then unmounts and ends (`umount` run on another node ends every node)
 OP_NAMES = {
     OP_PING: "ping",
     OP_FETCH_BLOB: "fetch_blob",
@@ -59,6 +60,7 @@ OP_NAMES = {
     OP_W_READ: "written_read",
     OP_STAGE_OUT: "stage_out",
     OP_W_SYNC: "written_sync",
+    OP_STOP: "stop",
 }
 
 

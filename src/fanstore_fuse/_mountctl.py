@@ -28,6 +28,7 @@ from ._safepath import open_private, secure_dir
 from .writes import DATA_DIR, WRITES_DIR, has_records
 
 LOCAL_MARKER = ".fanstore-local"
+SAVED_MARKER = ".fanstore-saved"  # written files staged out (verified), and where to
 STATE_SEED = 0x4D4E5453
 
 
@@ -72,6 +73,10 @@ class MountState:
     launcher_pid: int = 0
     stage_out: str = ""  # `mount --stage-out DIR`: where `umount` saves written files
     hosts: list[str] = field(default_factory=list)  # every rank's host, by rank
+    # A launcher that ends by itself once every node's daemon has (srun): `umount` waits for
+    # it, and stops it only when it outlives that wait (stopping it first would kill the
+    # daemons of other nodes in the middle of their own unmount).
+    step_pid: int = 0
 
     def path(self) -> str:
         return os.path.join(state_dir(), f"{self.key}.json")
@@ -232,12 +237,53 @@ def has_written_files(path: str) -> bool:
     return has_records(path)
 
 
+def writes_fingerprint(path: str) -> str:
+    """A digest of the state of a local dir's written files: the journal's and every data
+    file's identity, size, mtime and ctime (any write, commit, rename or removal changes it)."""
+    h = xxhash.xxh3_64(seed=STATE_SEED)
+    base = os.path.join(path, WRITES_DIR)
+    for root, dirs, files in os.walk(base):
+        dirs.sort()
+        for name in sorted(files):
+            p = os.path.join(root, name)
+            with contextlib.suppress(FileNotFoundError):
+                st = os.lstat(p)
+                h.update(f"{os.path.relpath(p, base)}\0{st.st_ino}\0{st.st_size}\0"
+                         f"{st.st_mtime_ns}\0{st.st_ctime_ns}\n".encode("utf-8", "surrogateescape"))
+    return h.hexdigest()
+
+
+def mark_saved(path: str, out_dir: str, fingerprint: str) -> None:
+    """Record in a local dir that its written files, in the state `fingerprint` was taken of
+    (before the copy), were all staged out to `out_dir`, verified."""
+    atomic_write(os.path.join(path, SAVED_MARKER),
+                 json.dumps({"dir": os.path.abspath(out_dir), "fingerprint": fingerprint}))
+
+
+def saved_to(path: str) -> str | None:
+    """Where a local dir's written files were all staged out to, if they have not changed
+    since (see `mark_saved`); None otherwise."""
+    try:
+        with open(os.path.join(path, SAVED_MARKER)) as f:
+            rec = json.load(f)
+        out, fp = str(rec["dir"]), str(rec["fingerprint"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return out if fp == writes_fingerprint(path) else None
+
+
+def unsaved_writes(path: str) -> bool:
+    """Whether a local dir holds written files that no verified stage-out has saved."""
+    return has_written_files(path) and saved_to(path) is None
+
+
 def remove_local_dir(path: str, keep_writes: bool = False) -> None:
     """Remove a local copy, only if it carries our marker. With `keep_writes`, written files
-    (and the journal that describes them) stay, with the marker, for stage-out or recover."""
+    (and the journal that describes them) stay, with the marker, for stage-out or recover,
+    unless a verified stage-out saved them all since their last change (`saved_to`)."""
     marker = os.path.join(path, LOCAL_MARKER)
     if os.path.isdir(path) and os.path.exists(marker):
-        keep = keep_writes and has_written_files(path)
+        keep = keep_writes and unsaved_writes(path)
         for name in os.listdir(path):  # the marker goes last, so an interrupted removal can resume
             if name == WRITES_DIR and keep:
                 continue
@@ -291,6 +337,18 @@ def stop_pids(pids: list[int], timeout: float = 15.0) -> list[int]:
     return killed
 
 
+STEP_WAIT = 60.0  # seconds a launcher that ends by itself (srun) gets before it is stopped
+
+
+def wait_then_stop(pid: int, timeout: float) -> list[int]:
+    """Wait up to `timeout` for a launcher that ends once its daemons have (srun), then stop
+    it if it still runs. Returns [pid] if it had to be SIGKILLed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and pid_alive(pid):
+        time.sleep(0.05)
+    return stop_pids([pid], 10.0)
+
+
 @dataclass
 class UmountResult:
     mountpoints: list[str]
@@ -316,7 +374,9 @@ def umount(
     killed = stop_pids(list(st.pids), timeout)
     if st.launcher_pid:
         killed += stop_pids([st.launcher_pid], timeout)
-    pids = list(st.pids) + ([st.launcher_pid] if st.launcher_pid else [])
+    if st.step_pid:
+        killed += wait_then_stop(st.step_pid, max(timeout, STEP_WAIT))
+    pids = list(st.pids) + [p for p in (st.launcher_pid, st.step_pid) if p]
     # A mount still there after its daemon stopped (or died) is a stale one we had to clear:
     # its connection aborted first, should a thread of the dead daemon wait on it for good.
     if not any(pid_alive(p) for p in st.pids):
@@ -331,7 +391,7 @@ def umount(
 
         summary = stage_out(written, stage_out_dir, workers)
     discard = summary is not None and summary.ok
-    kept = [] if discard else written
+    kept = [] if discard else [d for d in written if unsaved_writes(d)]
     for d in st.local_dirs:
         remove_local_dir(d, keep_writes=not discard)
     for other in _states_of(st):

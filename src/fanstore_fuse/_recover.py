@@ -1,9 +1,11 @@
 """Crash recovery: rescue the written files of a local dir whose daemon is gone (e.g. SIGKILL).
 
-Pure library code. The journal is replayed read-only (nothing in the local dir is changed);
+Pure library code. The journal is replayed read-only (the written files are not changed);
 every file closed (or fsync'd) before the crash, whose bytes still match the recorded xxh3, is
 staged out exactly as `_stageout.stage_out` does; files open for writing at the crash are
 reported in `unclosed` (optionally salvaged, unverified, under `out_dir/.fanstore-unclosed/`).
+When every written file was saved, the local dir is marked so (`_mountctl.mark_saved`): the
+SLURM epilog and `umount` then remove it instead of keeping it for another rescue.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import shutil
 
 from ._errors import FanstoreError
-from ._mountctl import LOCAL_MARKER, _is_ours, pid_alive
+from ._mountctl import LOCAL_MARKER, _is_ours, mark_saved, pid_alive, writes_fingerprint
 from ._safepath import Escape, dir_beneath
 from ._stageout import StageFailure, StageOutSummary, stage_out
 from .writes import JOURNAL_NAME, WRITES_DIR, WriteStore
@@ -71,9 +73,12 @@ def recover(
             f"{local_dir} belongs to running daemon pid {pid}: use `fanstore-fuse umount "
             "--stage-out` instead (or force)"
         )
+    before = writes_fingerprint(local_dir)
     store = WriteStore(local_dir, readonly=True)
     try:
         summary = stage_out([store], out_dir, workers, verify_dest, unclosed_is_failure=False)
+        if summary.ok and not summary.unclosed:  # every written file saved: the epilog may go
+            mark_saved(local_dir, out_dir, before)
         if salvage_unclosed:
             for u in summary.unclosed:
                 try:

@@ -298,11 +298,13 @@ def remove_rendezvous(path: str) -> None:
 def user_epilog(plan: JobPlan) -> tuple[bool, list[str]]:
     """`umount` of this job's mount on this node (stage-out to the recorded dir first), then
     remove the mountpoint. Returns (ok, lines to log); written files that could not be saved
-    stay in the local dir, and the lines say where."""
-    from ._mountctl import find_state, has_written_files, lazy_unmount, remove_local_dir, umount
+    stay in the local dir, and the lines say where. A local dir whose written files were all
+    saved (a verified stage-out or `recover` since their last change) is removed."""
+    from ._mountctl import find_state, lazy_unmount, remove_local_dir, saved_to, umount, unsaved_writes
 
     lines: list[str] = []
     ok = True
+    saved = saved_to(plan.local)  # `umount` below removes such a dir itself
     if find_state(plan.mountpoint) is not None:
         res = umount(plan.mountpoint, 15.0)
         lines.append(f"{'cleaned stale mount' if res.stale else 'unmounted'} {plan.mountpoint}")
@@ -313,7 +315,7 @@ def user_epilog(plan: JobPlan) -> tuple[bool, list[str]]:
                       for f in res.stage_out.failures]
     elif lazy_unmount(plan.mountpoint):
         lines.append(f"cleared stale mount {plan.mountpoint} (no state)")
-    if plan.stage_out and has_written_files(plan.local):
+    if plan.stage_out and unsaved_writes(plan.local):
         from ._recover import recover
 
         try:  # a daemon that died before it wrote its state
@@ -322,12 +324,15 @@ def user_epilog(plan: JobPlan) -> tuple[bool, list[str]]:
             ok = ok and rec.ok
         except FanstoreError as e:
             lines.append(f"recover {plan.local}: {e}")
-    if has_written_files(plan.local):
+    if unsaved_writes(plan.local):
         ok = False
         how = f" --stage-out {plan.stage_out}" if plan.stage_out else " --stage-out DIR"
         lines.append(f"written files kept in {plan.local}: `fanstore-fuse recover {plan.local}{how}`")
     else:
+        saved = saved_to(plan.local) or saved
         remove_local_dir(plan.local)
+        if saved is not None:
+            lines.append(f"removed {plan.local}: its written files are saved in {saved}")
     if plan.node_index == 0:
         remove_rendezvous(plan.rendezvous)
     with contextlib.suppress(OSError):

@@ -255,12 +255,17 @@ def umount(
 ) -> None:
     """Unmount, stop the daemon(s), stage out written files, remove the node-local copies.
 
-    With --stage-out, the written files of ranks on other nodes are staged out too (they keep
-    running); without it, the directory given at mount time (`mount --stage-out`) is used
-    for this node's files only (the SLURM epilog runs this on every node)."""
+    A mount whose ranks run on several nodes ends on every node: every node's written files
+    are staged out first (to DIR, else to the directory given at mount time, `mount
+    --stage-out`); then every node's daemon unmounts and removes its local copy (a copy whose
+    written files were not saved stays, for `recover`)."""
+    from ._mountctl import find_state
     from ._mountctl import umount as do_umount
 
-    remote_failed = stage_out is not None and not _stage_out_other_nodes(mountpoint, stage_out)
+    st = find_state(mountpoint)
+    target = stage_out or (st.stage_out if st is not None else "") or None
+    remote_failed = target is not None and not _stage_out_other_nodes(mountpoint, target)
+    remote_failed = not _stop_other_nodes(mountpoint) or remote_failed
     try:
         res = do_umount(mountpoint, timeout, stage_out, workers)
     except FanstoreError as e:
@@ -293,6 +298,25 @@ def _stage_out_other_nodes(mountpoint: str, out_dir: str) -> bool:
         return False
     for r in results:
         for line in _stageout_all.describe(r, st.template, out_dir):
+            err.print(line, highlight=False)
+    return all(r.get("ok") for r in results)
+
+
+def _stop_other_nodes(mountpoint: str) -> bool:
+    """Ask the ranks on other nodes to unmount and end; False if any could not be asked."""
+    from . import _stageout_all
+    from ._mountctl import find_state
+
+    st = find_state(mountpoint)
+    if st is None or not _stageout_all.needed(st):
+        return True
+    try:
+        results = _stageout_all.stop_others(st)
+    except FanstoreError as e:
+        err.print(f"other nodes: {e}", highlight=False)
+        return False
+    for r in results:
+        for line in _stageout_all.describe(r, st.template, ""):
             err.print(line, highlight=False)
     return all(r.get("ok") for r in results)
 
@@ -436,7 +460,7 @@ def slurm_epilog(plan: str | None = typer.Option(None, "--plan", hidden=True)) -
     r = _as_job_user(p, "slurm-epilog", 3600)
     out = " ".join((r.stdout + r.stderr).split()) if r else "timed out"
     forced = lazy_unmount(p.mountpoint)  # a backstop: nothing of this job stays mounted
-    where = f"job {p.job_id} node {max(p.node_index, 0)}"
+    where = f"job {p.job_id}" + (f" node {p.node_index}" if p.node_index >= 0 else "")
     sj.log(p.job_id, p.node, f"epilog {where}: {out}" + ("; forced unmount" if forced else ""))
     err.print(f"{where}: {out}", highlight=False)
     if recorded and r is not None and r.returncode == 0:

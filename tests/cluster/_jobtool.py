@@ -6,6 +6,7 @@ write this node's outputs, read while a peer dies.
     _jobtool.py readloop SRC MNT SECONDS      compare file bytes repeatedly for SECONDS
     _jobtool.py rewrite MNT                   rewrite this node's notes in place (version 2)
     _jobtool.py crossread MNT HOSTS VERSION   the other nodes' small outputs, byte for byte
+    _jobtool.py kill MNT                      SIGKILL this node's daemon of MNT (a crash)
 """
 
 from __future__ import annotations
@@ -113,6 +114,20 @@ def readloop(src: str, mnt: str, seconds: float) -> None:
           f"errors: {errors or 'none'}", flush=True)
 
 
+def kill(mnt: str) -> None:
+    """SIGKILL this node's daemon of `mnt` (found by its state file), and wait until it is gone."""
+    from fanstore_fuse._mountctl import find_state, pid_alive
+
+    st = find_state(mnt)
+    if st is None or not st.pids:
+        raise SystemExit(f"{socket.gethostname()}: no daemon of {mnt}")
+    os.kill(st.pids[0], 9)
+    deadline = time.monotonic() + 30
+    while pid_alive(st.pids[0]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print(f"{socket.gethostname()}: killed daemon pid {st.pids[0]}", flush=True)
+
+
 def main(argv: list[str]) -> None:
     if argv[0] == "compare":
         # as the job user: the mount is that user's, and so is its root (MountView.root_owner)
@@ -127,6 +142,8 @@ def main(argv: list[str]) -> None:
         rewrite(argv[1])
     elif argv[0] == "crossread":
         crossread(argv[1], argv[2].split(","), int(argv[3]))
+    elif argv[0] == "kill":
+        kill(argv[1])
     else:
         raise SystemExit(__doc__)
 
