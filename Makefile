@@ -17,11 +17,16 @@ SLURM_DEPS := $(shell [ "$$(id -u)" = 0 ] && echo --slurm)
 deps:
 	@bash scripts/install-deps.sh $(SLURM_DEPS)
 
-$(STAMP): pyproject.toml scripts/install-deps.sh $(wildcard src/fanstore_fuse/*.c src/fanstore_fuse/*.h)
+PYFUSE3_PATCH := scripts/install-pyfuse3.sh scripts/pyfuse3/pyfuse3-3.5.0-public-api.patch
+
+$(STAMP): pyproject.toml scripts/install-deps.sh $(PYFUSE3_PATCH) $(wildcard src/fanstore_fuse/*.c src/fanstore_fuse/*.h)
 	@bash scripts/install-deps.sh $(SLURM_DEPS)
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip wheel
 	$(PIP) install --quiet -e '.[$(EXTRAS)]'
+	@# pyfuse3 3.5.0 rebuilt with the public API fanstore-fuse uses when present
+	@# (scripts/pyfuse3/README.md); skipped when already installed.
+	bash scripts/install-pyfuse3.sh $(PY)
 	@# An editable install compiles nothing; with PYTHONDONTWRITEBYTECODE set every daemon would
 	@# then compile the package at start (~0.4 CPU s of its start-up, measured).
 	$(PY) -m compileall -q src >/dev/null
