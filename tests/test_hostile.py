@@ -104,6 +104,23 @@ def _link_target(target: bytes):
     return mutate
 
 
+def _file_blob(path: bytes, k: int = 0):
+    """Blob k of the file at `path` (its index in the blob table)."""
+    return lambda m: int(m.entries["first"][_idx(m, path)]) + k
+
+
+def _set_file_blob(path: bytes, k: int, **cols):
+    def mutate(m: Manifest) -> None:
+        j = _file_blob(path, k)(m)
+        for col, value in cols.items():
+            m.blobs[col][j] = value(m, j) if callable(value) else value
+    return mutate
+
+
+def _meta_partition(i: int, value):
+    return lambda m: setattr(m.partitions[i], "size", value)
+
+
 HOSTILE = {
     # names
     "name-dotdot": (_name(b"a.txt", b".."), "unsafe name"),
@@ -154,6 +171,38 @@ HOSTILE = {
     "partition-duplicate": (_part(1, "part-00000.fsp"), "duplicate"),
     "partition-tiny": (lambda m: setattr(m.partitions[0], "size", 3), "too small"),
     "chunk-size-huge": (lambda m: m.options.__setitem__("chunk_size", 1 << 40), "chunk"),
+    # chunk sizes: every blob but a file's last holds exactly chunk_size raw bytes (c.bin has
+    # three blobs of 4096, 4096, 2048 bytes; its raw sizes moved keep the file's sum)
+    "chunk-short-not-last": (_set_file_blob(b"c.bin", 0, raw=2048), "every blob but a file's last"),
+    "chunk-short-middle": (
+        lambda m: [_set_file_blob(b"c.bin", 1, raw=2048)(m), _set_file_blob(b"c.bin", 2, raw=4096)(m)],
+        "every blob but a file's last"),
+    "blob-empty": (_set_file_blob(b"sub/deeper/e.txt", 0, raw=0, stored=0), "empty"),
+    # stored vs raw sizes, per codec
+    "raw-stored-differs": (_set_file_blob(b"sub/deeper/e.txt", 0, stored=4), "stored size differs"),
+    "zstd-stored-not-smaller": (_set_file_blob(b"c.bin", 0, stored=4096), "zstd blob"),
+    "zstd-stored-zero": (_set_file_blob(b"c.bin", 0, stored=0), "zstd blob"),
+    "framed-over-table-bound": (
+        _set_file_blob(b"c.bin", 0, codec=3, stored=4096 + 8 + 12 + 1), "framed blob .* exceeds"),
+    "framed-stored-4gib": (_set_file_blob(b"c.bin", 0, codec=3, stored=2**32 - 1), "framed blob .* exceeds"),
+    "framed-too-short": (_set_file_blob(b"c.bin", 0, codec=3, stored=20), "too short"),
+    # the root's name, symlink counts
+    "root-named": (lambda m: _rename(m, 0, b"r"), "root"),
+    "link-with-count": (_set("count", b"link", 3), "symlink entry .* count"),
+    # partition names follow their index; only the last may be the broadcast one
+    "partition-misnumbered": (
+        lambda m: [_part(0, "part-00001.fsp")(m), _part(1, "part-00000.fsp")(m)], "expected"),
+    "partition-bcast-not-last": (
+        lambda m: [_part(0, "bcast-00000.fsp")(m), setattr(m.partitions[0], "broadcast", True)],
+        "expected"),
+    "partition-flag-without-bcast-name": (
+        lambda m: setattr(m.partitions[1], "broadcast", True), "expected"),
+    # meta types
+    "chunk-size-string": (lambda m: m.options.__setitem__("chunk_size", "4096"), "chunk size"),
+    "chunk-size-float": (lambda m: m.options.__setitem__("chunk_size", 4096.5), "chunk size"),
+    "dataset-id-negative": (lambda m: setattr(m, "dataset_id", -1), "dataset_id"),
+    "options-not-a-map": (lambda m: setattr(m, "options", [1, 2]), "options"),
+    "partition-size-string": (_meta_partition(0, "123456"), "partition 0 is not \\["),
     # symlinks
     "link-target-nul": (_link_target(b"/etc/\0passwd"), "symlink"),
     "link-target-empty": (_set("size", b"link", 0), "symlink"),
