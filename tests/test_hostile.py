@@ -637,3 +637,53 @@ def test_fuzz_manifest_meta_values_never_crash(framed_dest: Path):
             decode_manifest(raw)
 
     one()
+
+
+@pytest.mark.mount
+@pytest.mark.timeout(120)
+def test_daemon_answers_eio_to_a_hostile_frame_table(framed_dest: Path, tmp_path: Path,
+                                                     state_dir: Path):
+    """A partition whose frame table claims 2^31 frames: a read of that file gets EIO and the
+    daemon logs one line about it, allocates nothing of the claimed size, and keeps serving
+    the other files byte for byte."""
+    import errno as _errno
+
+    d = tmp_path / "d"
+    shutil.copytree(framed_dest, d)
+    m = read_manifest(d / MANIFEST_NAME)
+    b0 = int(m.entries["first"][_idx(m, b"big")])
+    with open(d / m.partitions[m.blobs["part"][b0]].name, "r+b") as f:
+        f.seek(m.blobs["offset"][b0] + 4)
+        f.write((1 << 31).to_bytes(4, "little"))
+    src = framed_dest.parent / "src"
+    mp = tmp_path / "mp"
+    with mounted(d, mp, state_dir, local=tmp_path / "local") as mnt:
+        for i in range(3):
+            assert (mp / f"small{i}").read_bytes() == (src / f"small{i}").read_bytes()
+        fd = os.open(mp / "big", os.O_RDONLY)
+        try:
+            with pytest.raises(OSError) as err:
+                os.pread(fd, 4096, 0)
+            assert err.value.errno == _errno.EIO
+        finally:
+            os.close(fd)
+        # the second chunk is intact and still served
+        assert _pread(mp / "big", 1 << 20, 4096) == (src / "big").read_bytes()[1 << 20 : (1 << 20) + 4096]
+        assert all(_mountctl_alive(p) for p in mnt.pids())
+        lines = [ln for ln in mnt.log_text().splitlines() if f"blob {b0}" in ln]
+        assert lines and any("frame table" in ln or "overruns" in ln for ln in lines), \
+            mnt.log_text()[-2000:]
+
+
+def _pread(path: Path, off: int, n: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.pread(fd, n, off)
+    finally:
+        os.close(fd)
+
+
+def _mountctl_alive(pid: int) -> bool:
+    from fanstore_fuse._mountctl import pid_alive
+
+    return pid_alive(pid)
