@@ -287,18 +287,23 @@ def _blobs(m: Manifest, b: dict[str, np.ndarray], chunk: int, nb: int) -> None:
         top = CODEC_FRAMED if m.version >= 3 else CODEC_ZSTD_DICT  # framed blobs: version 3
         _fail_at(cod > top, a, "blob {i} has an unknown codec")
         _fail_at(raw == 0, a, "blob {i} is empty (an empty file has no blobs)")
-        _fail_at((cod == CODEC_FRAMED) & (st < _FRAMED_MIN), a,
-                 "framed blob {i} is too short for its frame table")
-        r64 = raw.astype(np.uint64)
-        # frames of MIN_FRAME at least, each stored no larger than its raw bytes, plus the table
-        top_framed = r64 + np.uint64(FRAME_HEAD) + np.uint64(FRAME_ENTRY) * (
-            (r64 + np.uint64(MIN_FRAME - 1)) // np.uint64(MIN_FRAME))
-        _fail_at((cod == CODEC_FRAMED) & (st > top_framed), a,
-                 "framed blob {i} stored size exceeds its raw size and largest frame table")
+        # stored vs raw, by codec: raw equal; zstd 1 .. raw - 1 (kept only when smaller)
         _fail_at((cod == CODEC_RAW) & (st != raw), a, "raw blob {i} stored size differs from raw size")
-        _fail_at(((cod == CODEC_ZSTD) | (cod == CODEC_ZSTD_DICT)) & ((st == 0) | (st >= raw)), a,
+        zstd = (cod == CODEC_ZSTD) | (cod == CODEC_ZSTD_DICT)
+        _fail_at(zstd & ((st == 0) | (st >= raw)), a,
                  "zstd blob {i} stored size is not between 1 and its raw size - 1 "
                  "(prep keeps a frame only when it is smaller)")
+        framed = np.flatnonzero(cod == CODEC_FRAMED)
+        if len(framed):  # its table and frames of MIN_FRAME at least, none stored larger
+            sf, rf = st[framed], raw[framed].astype(np.uint64)
+            top_framed = rf + np.uint64(FRAME_HEAD) + np.uint64(FRAME_ENTRY) * (
+                (rf + np.uint64(MIN_FRAME - 1)) // np.uint64(MIN_FRAME))
+            for bad, what in ((sf < _FRAMED_MIN, "is too short for its frame table"),
+                              (sf > top_framed, "stored size exceeds its raw size and largest "
+                                                "frame table")):
+                k = _first(bad)
+                if k is not None:
+                    raise FormatError(f"framed blob {a + int(framed[k])} {what}")
         if not m.zdict:
             _fail_at(cod == CODEC_ZSTD_DICT, a, "blob {i} needs a dictionary the manifest lacks")
         ps = psize[np.minimum(part, max(nparts - 1, 0))]
