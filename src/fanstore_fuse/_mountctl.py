@@ -264,21 +264,24 @@ def prepare_local_dir(path: str) -> str:
     path = secure_dir(path, "local directory")
     created = not os.path.exists(os.path.join(path, LOCAL_LOCK))
     lock_local_dir(path)
-    entries = set(os.listdir(path)) - {LOCAL_LOCK}
-    if entries and LOCAL_MARKER not in entries:
-        if created:  # leave a foreign dir as it was
-            os.close(_held.pop(path))
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(path, LOCAL_LOCK))
-        raise FanstoreError(f"local directory {path} is not empty and not ours")
-    if has_written_files(path):
-        raise FanstoreError(
-            f"local directory {path} holds files written by an earlier mount: run "
-            f"`fanstore-fuse recover {path} --stage-out DIR` first"
-        )
-    marker = os.path.join(path, LOCAL_MARKER)
-    with os.fdopen(open_private(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
-        f.write(f"{os.getpid()}\n")
+    try:
+        entries = set(os.listdir(path)) - {LOCAL_LOCK}
+        if entries and LOCAL_MARKER not in entries:
+            if created:  # leave a foreign dir as it was
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(path, LOCAL_LOCK))
+            raise FanstoreError(f"local directory {path} is not empty and not ours")
+        if has_written_files(path):
+            raise FanstoreError(
+                f"local directory {path} holds files written by an earlier mount: run "
+                f"`fanstore-fuse recover {path} --stage-out DIR` first"
+            )
+        marker = os.path.join(path, LOCAL_MARKER)
+        with os.fdopen(open_private(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
+            f.write(f"{os.getpid()}\n")
+    except BaseException:
+        os.close(_held.pop(path))
+        raise
     return path
 
 
