@@ -6,8 +6,9 @@ Both ranks compose what a daemon composes (no FUSE), over DEST's partitions. Ran
 drops its page cache of the partitions (so the first requests go to the transport's disk
 threads). Rank 0 fetches every blob rank 1 holds (stored bytes and decoded bytes are compared
 with its own reads of DEST, byte for byte), then asks for a blob rank 1 does not hold, an id
-past the end, and sends a frame of an unknown version with the blob op: each must come back
-as an error reply. Each rank writes OUT_DIR/rank{N}.json.
+past the end, sends a frame of an unknown version with the blob op and one over MAX_FRAME: each
+must come back as an error reply; a reply over MAX_FRAME fails the request it answers. Each
+rank writes OUT_DIR/rank{N}.json.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from fanstore_fuse._manifest import read_manifest  # noqa: E402
 from fanstore_fuse._messages import (  # noqa: E402
     HEADER,
     MAGIC,
+    MAX_FRAME,
     OP_FETCH_BLOB,
     TAG_REQUEST,
+    TAG_RESPONSE,
     Frame,
 )
 from fanstore_fuse._ring import Placement  # noqa: E402
@@ -107,10 +110,27 @@ def main() -> None:
         res["bad_version"] = await raw_request(raw, rid)
         short = HEADER.pack(MAGIC, 1, OP_FETCH_BLOB, 0, rid + 1, theirs[0], 7)  # body missing
         res["bad_length"] = await raw_request(short, rid + 1)
+        # A request over MAX_FRAME: rank 1 never allocates it, answers EPROTO.
+        huge = bytearray(MAX_FRAME + 1)
+        HEADER.pack_into(huge, 0, MAGIC, 1, OP_FETCH_BLOB, 0, rid + 2, theirs[0], len(huge) - HEADER.size)
+        res["oversized_request"] = await raw_request(bytes(huge), rid + 2)
+        # A reply over MAX_FRAME to a pending request: the request fails, nothing allocated.
+        w = _Waiter()
+        t._pending[rid + 3] = w
+        ctl.send(rid + 3, dest=1, tag=8)
+        with trio.fail_after(10):
+            await w.event.wait()
+        res["oversized_reply"] = w.error
+        t._pending.pop(rid + 3)
         ctl.send("done", dest=1, tag=9)
 
     async def server() -> None:
         while not ctl.Iprobe(source=0, tag=9):
+            if ctl.Iprobe(source=0, tag=8):  # answer a request never made with a huge frame
+                rid = ctl.recv(source=0, tag=8)
+                huge = bytearray(MAX_FRAME + 1)
+                HEADER.pack_into(huge, 0, MAGIC, 1, OP_FETCH_BLOB, 0, rid, 0, len(huge) - HEADER.size)
+                t._post(0, TAG_RESPONSE, huge, 0)
             await trio.sleep(0.01)
         ctl.recv(source=0, tag=9)
 
@@ -122,6 +142,7 @@ def main() -> None:
 
     trio.run(run)
     res.update(served=t.served, served_inline=t.served_inline, served_by_io=t.served_by_io,
+               bytes_received=t.bytes_received,
                bell_wakes=t.bell_wakes, polls=t.polls)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)

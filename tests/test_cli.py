@@ -107,3 +107,39 @@ def test_status_and_umount_of_non_mounts(tmp_path: Path):
     assert "nostatus" in _one_line_error(run_cli("status", tmp_path, env=env, check=False))
     msg = _one_line_error(run_cli("umount", tmp_path, env=env, check=False))
     assert "notafanstore-fusemount" in msg
+
+
+@pytest.mark.timeout(60)
+def test_local_dir_lock_is_held_for_the_process_life(tmp_path: Path):
+    """`prepare_local_dir` locks the dir before touching it: another process is refused (with
+    the holder's pid) until the holder ends; a foreign non-empty dir keeps no lock file."""
+    import subprocess
+
+    from fanstore_fuse import _mountctl
+
+    local = tmp_path / "local"
+    code = ("import sys; from fanstore_fuse._mountctl import prepare_local_dir; "
+            "prepare_local_dir(sys.argv[1]); print('held', flush=True); sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(local)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        before = sorted(os.listdir(local))
+        with pytest.raises(_mountctl.LocalDirBusy, match=f"in use by a live mount \\(pid {holder.pid}\\)"):
+            _mountctl.prepare_local_dir(str(local))
+        assert sorted(os.listdir(local)) == before
+        assert _mountctl.local_dir_in_use(str(local))
+        _mountctl.remove_local_dir(str(local))  # a live daemon's dir is left alone
+        assert sorted(os.listdir(local)) == before
+    finally:
+        holder.communicate("", timeout=30)
+    assert not _mountctl.local_dir_in_use(str(local))
+    assert _mountctl.prepare_local_dir(str(local)) == str(local)  # the holder ended: ours now
+    _mountctl.remove_local_dir(str(local))
+    assert not local.exists()
+    foreign = tmp_path / "foreign"
+    foreign.mkdir(mode=0o700)
+    (foreign / "theirs").write_text("x")
+    with pytest.raises(Exception, match="not empty and not ours"):
+        _mountctl.prepare_local_dir(str(foreign))
+    assert os.listdir(foreign) == ["theirs"]

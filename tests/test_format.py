@@ -300,7 +300,15 @@ HOSTILE = [
         (lambda m: m.blobs["codec"].__setitem__(0, 2), "dictionary"),
         (lambda m: m.options.__setitem__("chunk_size", 1 << 40), "chunk"),
         (lambda m: m.name_off.__setitem__(len(m.name_off) - 1, 1), "name table"),
+        # r.bin's first blob (raw) cut short: only a file's last blob may hold less than a chunk
+        (lambda m: [m.blobs[c].__setitem__(_first_blob(m, b"d/r.bin"), 100)
+                    for c in ("raw", "stored")], "every blob but a file's last"),
+        (lambda m: m.blobs["raw"].__setitem__(_first_blob(m, b"d/r.bin") + 3, 0), "empty"),
 ]
+
+
+def _first_blob(m, path: bytes) -> int:
+    return int(m.entries["first"][next(i for i in range(m.n_entries) if m.path(i) == path)])
 
 
 @pytest.mark.parametrize("mutate, msg", HOSTILE)

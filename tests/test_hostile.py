@@ -9,6 +9,7 @@ stderr starting with `fanstore-fuse:`, nothing mounted, no daemon, no state file
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
@@ -104,6 +105,23 @@ def _link_target(target: bytes):
     return mutate
 
 
+def _file_blob(path: bytes, k: int = 0):
+    """Blob k of the file at `path` (its index in the blob table)."""
+    return lambda m: int(m.entries["first"][_idx(m, path)]) + k
+
+
+def _set_file_blob(path: bytes, k: int, **cols):
+    def mutate(m: Manifest) -> None:
+        j = _file_blob(path, k)(m)
+        for col, value in cols.items():
+            m.blobs[col][j] = value(m, j) if callable(value) else value
+    return mutate
+
+
+def _meta_partition(i: int, value):
+    return lambda m: setattr(m.partitions[i], "size", value)
+
+
 HOSTILE = {
     # names
     "name-dotdot": (_name(b"a.txt", b".."), "unsafe name"),
@@ -154,6 +172,38 @@ HOSTILE = {
     "partition-duplicate": (_part(1, "part-00000.fsp"), "duplicate"),
     "partition-tiny": (lambda m: setattr(m.partitions[0], "size", 3), "too small"),
     "chunk-size-huge": (lambda m: m.options.__setitem__("chunk_size", 1 << 40), "chunk"),
+    # chunk sizes: every blob but a file's last holds exactly chunk_size raw bytes (c.bin has
+    # three blobs of 4096, 4096, 2048 bytes; its raw sizes moved keep the file's sum)
+    "chunk-short-not-last": (_set_file_blob(b"c.bin", 0, raw=2048), "every blob but a file's last"),
+    "chunk-short-middle": (
+        lambda m: [_set_file_blob(b"c.bin", 1, raw=2048)(m), _set_file_blob(b"c.bin", 2, raw=4096)(m)],
+        "every blob but a file's last"),
+    "blob-empty": (_set_file_blob(b"sub/deeper/e.txt", 0, raw=0, stored=0), "empty"),
+    # stored vs raw sizes, per codec
+    "raw-stored-differs": (_set_file_blob(b"sub/deeper/e.txt", 0, stored=4), "stored size differs"),
+    "zstd-stored-not-smaller": (_set_file_blob(b"c.bin", 0, stored=4096), "zstd blob"),
+    "zstd-stored-zero": (_set_file_blob(b"c.bin", 0, stored=0), "zstd blob"),
+    "framed-over-table-bound": (
+        _set_file_blob(b"c.bin", 0, codec=3, stored=4096 + 8 + 12 + 1), "framed blob .* exceeds"),
+    "framed-stored-4gib": (_set_file_blob(b"c.bin", 0, codec=3, stored=2**32 - 1), "framed blob .* exceeds"),
+    "framed-too-short": (_set_file_blob(b"c.bin", 0, codec=3, stored=20), "too short"),
+    # the root's name, symlink counts
+    "root-named": (lambda m: _rename(m, 0, b"r"), "root"),
+    "link-with-count": (_set("count", b"link", 3), "symlink entry .* count"),
+    # partition names follow their index; only the last may be the broadcast one
+    "partition-misnumbered": (
+        lambda m: [_part(0, "part-00001.fsp")(m), _part(1, "part-00000.fsp")(m)], "expected"),
+    "partition-bcast-not-last": (
+        lambda m: [_part(0, "bcast-00000.fsp")(m), setattr(m.partitions[0], "broadcast", True)],
+        "expected"),
+    "partition-flag-without-bcast-name": (
+        lambda m: setattr(m.partitions[1], "broadcast", True), "expected"),
+    # meta types
+    "chunk-size-string": (lambda m: m.options.__setitem__("chunk_size", "4096"), "chunk size"),
+    "chunk-size-float": (lambda m: m.options.__setitem__("chunk_size", 4096.5), "chunk size"),
+    "dataset-id-negative": (lambda m: setattr(m, "dataset_id", -1), "dataset_id"),
+    "options-not-a-map": (lambda m: setattr(m, "options", [1, 2]), "options"),
+    "partition-size-string": (_meta_partition(0, "123456"), "partition 0 is not \\["),
     # symlinks
     "link-target-nul": (_link_target(b"/etc/\0passwd"), "symlink"),
     "link-target-empty": (_set("size", b"link", 0), "symlink"),
@@ -359,3 +409,281 @@ def test_symlinks_are_served_verbatim_and_never_escape(tmp_path: Path, state_dir
         assert not any("passwd" in t or "shadow" in t or "hostname" in t for t in opened)
         m.umount()
     assert m.forced == []
+
+
+# ---------------------------------------------------------------- chunk sizes, frames, bounds
+
+
+@pytest.fixture(scope="module")
+def framed_dest(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One file of 1200 KiB in chunks of 1 MiB: blob 0 framed (16 frames of 64 KiB), blob 1 of
+    176 KiB; and a few small files."""
+    base = tmp_path_factory.mktemp("framed")
+    src = base / "src"
+    src.mkdir()
+    (src / "big").write_bytes(b"".join(b"line %08d of a compressible file\n" % i
+                                       for i in range(1200 * 1024 // 34 + 1))[: 1200 * 1024])
+    for i in range(3):
+        (src / f"small{i}").write_bytes(os.urandom(100 + i))
+    prep(src, base / "dest", PrepOptions(partitions=1, codec="zstd", chunk_size=1 << 20,
+                                         frame_size=64 << 10, workers=1))
+    return base / "dest"
+
+
+def test_two_short_framed_chunks_of_one_file_are_refused(framed_dest: Path):
+    """The manifest that overran a read buffer in the C reader: one file's two chunks of
+    600 KiB, framed, summing to the file's size (each within the chunk size)."""
+    m = _load(framed_dest)
+    b0 = int(m.entries["first"][_idx(m, b"big")])
+    assert m.blobs["codec"][b0] == 3 and m.blobs["raw"][b0] == 1 << 20
+    for j in (b0, b0 + 1):
+        m.blobs["raw"][j] = 600 << 10
+        m.blobs["codec"][j] = 3
+    with pytest.raises(FormatError, match=f"blob {b0} holds 614400 raw bytes; every blob but a "
+                                          "file's last holds the chunk size 1048576"):
+        decode_manifest(encode_manifest(m))
+
+
+def _store_with_table(framed_dest: Path, tmp_path: Path, n_frames: int):
+    """A BlobStore over a copy of `framed_dest` whose big file's frame table claims `n_frames`
+    frames (the table checksum is not fixed: the bound must come first), and its blob id."""
+    from fanstore_fuse._blobstore import BlobStore
+
+    d = tmp_path / "d"
+    shutil.copytree(framed_dest, d)
+    m = read_manifest(d / MANIFEST_NAME)
+    b0 = int(m.entries["first"][_idx(m, b"big")])
+    part = d / m.partitions[m.blobs["part"][b0]].name
+    with open(part, "r+b") as f:
+        f.seek(m.blobs["offset"][b0] + 4)
+        f.write(n_frames.to_bytes(4, "little"))
+    store = BlobStore(m, str(d))
+    reads: list[int] = []
+    pread = store._pread
+
+    def counted(blob: int, n: int, off: int) -> bytes:
+        reads.append(n)
+        return pread(blob, n, off)
+
+    store._pread = counted  # type: ignore[method-assign]
+    return store, b0, reads
+
+
+@pytest.mark.parametrize("claim", ["overrun", "fits-blob-not-raw"])
+def test_hostile_frame_count_is_refused_before_the_table_is_read(framed_dest: Path, tmp_path: Path,
+                                                                claim: str):
+    """A frame table on disk claiming 2^31 frames, or as many as the stored bytes could hold
+    (not what the manifest's raw size allows): refused after the 4 KiB probe, before a read
+    (and an allocation) of the claimed size."""
+    from fanstore_fuse import ChecksumError
+
+    m = read_manifest(framed_dest / MANIFEST_NAME)
+    b0 = int(m.entries["first"][_idx(m, b"big")])
+    n = (1 << 31) if claim == "overrun" else (int(m.blobs["stored"][b0]) - 8) // 12
+    store, blob, reads = _store_with_table(framed_dest, tmp_path, n)
+    try:
+        with pytest.raises(ChecksumError, match="overruns the blob|does not fit the blob"):
+            store.raw(blob)
+        assert reads and max(reads) <= 4096, reads
+    finally:
+        store.close()
+
+
+def test_peer_bytes_of_the_wrong_length_are_refused_before_decoding(framed_dest: Path,
+                                                                   monkeypatch):
+    """What a peer sends for a blob must be exactly its manifest stored size before the codec
+    sees it (a 600 MB reply for a 3 KB blob is never decoded)."""
+    from fanstore_fuse import ChecksumError
+    from fanstore_fuse._blobstore import BlobStore
+
+    m = read_manifest(framed_dest / MANIFEST_NAME)
+    store = BlobStore(m, str(framed_dest))
+    try:
+        blob = int(m.entries["first"][_idx(m, b"big")])
+        good = store.stored(blob)
+        assert store.decode(blob, good) == store.raw(blob)
+        monkeypatch.setattr(store.codec, "decode", lambda *a: pytest.fail("decoded"))
+        for bad in (good + b"\0", good[:-1], b"", good * 3):
+            with pytest.raises(ChecksumError, match="stored bytes, the manifest says"):
+                store.decode(blob, bad)
+    finally:
+        store.close()
+
+
+# ---------------------------------------------------------------- fuzz: the Python decoders
+
+
+def _fuzz_manifest(framed_dest: Path) -> bytes:
+    return (framed_dest / MANIFEST_NAME).read_bytes()
+
+
+@pytest.mark.timeout(300)
+def test_fuzz_manifest_mutations_never_crash(framed_dest: Path):
+    """Random byte flips, splices and truncations of a valid manifest, with the checksums made
+    valid again (so the decoder and validator, not the checksums, meet them): only FormatError,
+    never another exception, never a hang."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    base = _fuzz_manifest(framed_dest)
+    secs, (n, nb) = sections(base), counts(base)
+    names = sorted(secs)
+
+    @settings(max_examples=400, deadline=2000, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(st.sampled_from(names), st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)),
+                                            min_size=1, max_size=8),
+           st.sampled_from(["flip", "truncate", "extend"]), st.booleans())
+    def one(section: str, edits, how: str, rehash: bool) -> None:
+        data = bytearray(secs[section])
+        if how == "truncate" and data:
+            del data[edits[0][0] % len(data):]
+        elif how == "extend":
+            data += bytes(v for _, v in edits)
+        for pos, val in edits:
+            if data:
+                data[pos % len(data)] = val
+        raw = build({**secs, section: bytes(data)}, n, nb)
+        if not rehash:  # the raw file with a bad byte: the checksums must catch it
+            raw = bytearray(base)
+            raw[edits[0][0] % len(raw)] ^= edits[0][1] | 1
+            raw = bytes(raw)
+        t0 = time.monotonic()
+        with contextlib.suppress(FormatError):
+            decode_manifest(raw)
+        assert time.monotonic() - t0 < 2
+
+    one()
+
+
+@pytest.mark.timeout(300)
+def test_fuzz_stored_frames_never_crash(framed_dest: Path):
+    """Random mutations of stored blobs (framed, zstd, raw) and of the sizes the manifest
+    claims for them: decoding raises only ChecksumError, never another exception or a hang,
+    and never returns bytes other than the blob's."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from fanstore_fuse import ChecksumError
+    from fanstore_fuse._blobcodec import BlobCodec
+    from fanstore_fuse._blobstore import BlobStore
+
+    m = read_manifest(framed_dest / MANIFEST_NAME)
+    store = BlobStore(m, str(framed_dest))
+    blobs = [(store.stored(b), int(m.blobs["codec"][b]), int(m.blobs["raw"][b]),
+              int(m.blobs["xxh3"][b]), store.raw(b)) for b in range(m.n_blobs)]
+    store.close()
+    codec = BlobCodec()
+
+    @settings(max_examples=500, deadline=2000, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(st.integers(0, len(blobs) - 1),
+           st.lists(st.tuples(st.integers(0, 1 << 22), st.integers(0, 255)), max_size=6),
+           st.integers(-64, 64), st.sampled_from([0, 1, 2, 3]), st.integers(-8, 8))
+    def one(k: int, edits, cut: int, as_codec: int, raw_delta: int) -> None:
+        stored, cod, raw_len, digest, want = blobs[k]
+        data = bytearray(stored)
+        for pos, val in edits:
+            data[pos % len(data)] = val
+        if cut < 0:
+            del data[cut:]
+        else:
+            data += bytes(cut)
+        c = cod if as_codec == cod or edits else as_codec
+        r = max(0, raw_len + raw_delta)
+        t0 = time.monotonic()
+        try:
+            out = codec.decode(bytes(data), c, r, digest, "fuzz")
+        except ChecksumError:
+            return
+        finally:
+            assert time.monotonic() - t0 < 2
+        assert out == want  # only the blob's own bytes ever come back
+
+    one()
+
+
+@pytest.mark.timeout(300)
+def test_fuzz_manifest_meta_values_never_crash(framed_dest: Path):
+    """The `meta` map with any key's value (or an option's, or a partition field) replaced by
+    any msgpack value: FormatError or a valid manifest, nothing else."""
+    import msgpack
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    base = _fuzz_manifest(framed_dest)
+    secs, (n, nb) = sections(base), counts(base)
+    meta = msgpack.unpackb(secs["meta"], raw=False)
+    leaf = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 64) - 1),
+                     st.floats(allow_nan=True), st.text(max_size=20), st.binary(max_size=20))
+    value = st.recursive(leaf, lambda kids: st.one_of(st.lists(kids, max_size=4),
+                                                      st.dictionaries(st.text(max_size=8), kids,
+                                                                      max_size=4)), max_leaves=10)
+    paths = ([("format",), ("dataset_id",), ("options",), ("partitions",)]
+             + [("options", k) for k in meta["options"]]
+             + [("partitions", 0), *[("partitions", 0, j) for j in range(3)]])
+
+    @settings(max_examples=400, deadline=2000, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(st.sampled_from(paths), value)
+    def one(path: tuple, v) -> None:
+        d = msgpack.unpackb(secs["meta"], raw=False)
+        node = d
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = v
+        raw = build({**secs, "meta": msgpack.packb(d, use_bin_type=True)}, n, nb)
+        with contextlib.suppress(FormatError):
+            decode_manifest(raw)
+
+    one()
+
+
+@pytest.mark.mount
+@pytest.mark.timeout(120)
+def test_daemon_answers_eio_to_a_hostile_frame_table(framed_dest: Path, tmp_path: Path,
+                                                     state_dir: Path):
+    """A partition whose frame table claims 2^31 frames: a read of that file gets EIO and the
+    daemon logs one line about it, allocates nothing of the claimed size, and keeps serving
+    the other files byte for byte."""
+    import errno as _errno
+
+    d = tmp_path / "d"
+    shutil.copytree(framed_dest, d)
+    m = read_manifest(d / MANIFEST_NAME)
+    b0 = int(m.entries["first"][_idx(m, b"big")])
+    with open(d / m.partitions[m.blobs["part"][b0]].name, "r+b") as f:
+        f.seek(m.blobs["offset"][b0] + 4)
+        f.write((1 << 31).to_bytes(4, "little"))
+    src = framed_dest.parent / "src"
+    mp = tmp_path / "mp"
+    with mounted(d, mp, state_dir, local=tmp_path / "local") as mnt:
+        for i in range(3):
+            assert (mp / f"small{i}").read_bytes() == (src / f"small{i}").read_bytes()
+        fd = os.open(mp / "big", os.O_RDONLY)
+        try:
+            with pytest.raises(OSError) as err:
+                os.pread(fd, 4096, 0)
+            assert err.value.errno == _errno.EIO
+        finally:
+            os.close(fd)
+        # the second chunk is intact and still served
+        assert _pread(mp / "big", 1 << 20, 4096) == (src / "big").read_bytes()[1 << 20 : (1 << 20) + 4096]
+        assert all(_mountctl_alive(p) for p in mnt.pids())
+        lines = [ln for ln in mnt.log_text().splitlines() if f"blob {b0}" in ln]
+        assert lines and any("frame table" in ln or "overruns" in ln for ln in lines), \
+            mnt.log_text()[-2000:]
+
+
+def _pread(path: Path, off: int, n: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.pread(fd, n, off)
+    finally:
+        os.close(fd)
+
+
+def _mountctl_alive(pid: int) -> bool:
+    from fanstore_fuse._mountctl import pid_alive
+
+    return pid_alive(pid)

@@ -152,13 +152,18 @@ def _bomb(size: int, content_size: bool) -> bytes:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("content_size", [True, False])
-def test_zstd_bomb_blob_with_valid_manifest(base: Path, tmp_path: Path, content_size: bool):
-    """Blob 0 (a zstd blob of a.txt) replaced by a frame that inflates to 4 GiB; the manifest is
-    rewritten so the bomb is exactly where it says (valid header and section checksums)."""
+@pytest.mark.parametrize("size, refused", [(4 * GiB, "zstd blob 0 stored size"), (64 << 20, "a.txt")])
+def test_zstd_bomb_blob_with_valid_manifest(base: Path, tmp_path: Path, content_size: bool,
+                                            size: int, refused: str):
+    """Blob 0 (a zstd blob of a.txt, 4096 raw bytes) replaced by a frame that inflates to `size`;
+    the manifest is rewritten so the bomb is exactly where it says (valid header and section
+    checksums). The 4 GiB bomb (131 KB) is larger than the raw size, which validation refuses
+    for a zstd blob; the 64 MiB one (2 KB) passes it and the decoder refuses it."""
     d = _copy_dest(base, tmp_path / "d")
-    bomb = _bomb(4 * GiB, content_size)
+    bomb = _bomb(size, content_size)
     assert len(bomb) < 1 << 20
     m = read_manifest(d / MANIFEST_NAME, writable=True)
+    assert (len(bomb) < m.blobs["raw"][0]) == (refused == "a.txt")
     part = m.partitions[m.blobs["part"][0]]
     m.blobs["offset"][0] = part.size
     m.blobs["stored"][0] = len(bomb)
@@ -166,7 +171,7 @@ def test_zstd_bomb_blob_with_valid_manifest(base: Path, tmp_path: Path, content_
         f.write(bomb)
     part.size += len(bomb)
     write_manifest(d / MANIFEST_NAME, m)
-    _refused(d, tmp_path, "a.txt", mount=False)
+    _refused(d, tmp_path, refused, mount=False)
 
 
 def test_version_1_zstd_bomb_manifest(tmp_path: Path):

@@ -555,3 +555,72 @@ def _wait_dead(pids: list[int], timeout: float = 10) -> None:
     deadline = time.monotonic() + timeout
     while any(_mountctl.pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+# ---------------------------------------------------------------- one --local, one live mount
+
+
+def test_second_mount_on_a_live_mounts_local_dir_is_refused(
+    src_tree: Path, dest: Path, tmp_path: Path, state_dir: Path, mount_factory
+):
+    """Two mounts given one --local: the second is refused with one line before it touches
+    the dir (it used to truncate the manifest copy the first had mapped: SIGBUS), and the
+    first keeps serving every file byte for byte."""
+    local = tmp_path / "local"
+    first = mount_factory(dest, local=local)
+    assert_same_tree(src_tree, first.path)
+    before = {p.name: p.stat().st_mtime_ns for p in local.iterdir()}
+    mp2 = tmp_path / "mnt-second"
+    mp2.mkdir()
+    r = run_cli("mount", dest, mp2, "--local", local, env=cli_env(state_dir, COLUMNS="400"),
+                check=False, timeout=60)
+    assert r.returncode != 0, r
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "in use by a live mount" in lines[0] and str(local) in lines[0], r
+    assert str(first.pids()[0]) in lines[0]
+    assert str(mp2) not in fuse_mounts()
+    assert {p.name: p.stat().st_mtime_ns for p in local.iterdir()} == before  # untouched
+    assert all(_mountctl.pid_alive(p) for p in first.pids())
+    assert_same_tree(src_tree, first.path)
+    first.umount()
+    assert not local.exists()
+
+
+def test_ranks_sharing_local_without_rank_refused_by_the_cli(dest: Path, tmp_path: Path,
+                                                            state_dir: Path):
+    r = run_cli("mount", dest, tmp_path / "m" / "{rank}", "--ranks", "3", "--local",
+                tmp_path / "x", env=cli_env(state_dir, COLUMNS="400"), check=False, timeout=60)
+    assert r.returncode != 0, r
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "put {rank} in --local" in lines[0], r
+    assert not (tmp_path / "x").exists() and not list(state_dir.glob("*.json"))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_ranks_sharing_local_without_rank_fail_with_one_line(
+    dest: Path, tmp_path: Path, state_dir: Path, ranks: int
+):
+    """The daemons' own check (where the CLI cannot see the ranks per host, e.g. under srun):
+    every rank started by mpiexec with one --local, without the CLI's check."""
+    from fanstore_fuse._launch import launcher_command
+
+    local, ready = tmp_path / "shared", tmp_path / "ready"
+    for r in range(ranks):
+        (tmp_path / "m" / str(r)).mkdir(parents=True)
+    cmd = [*launcher_command(ranks), sys.executable, "-m", "fanstore_fuse", "mount", str(dest),
+           str(tmp_path / "m" / "{rank}"), "--foreground", "--mpi", "--local", str(local),
+           "--ready-file", str(ready)]
+    p = subprocess.run(cmd, env=cli_env(state_dir), stdin=subprocess.DEVNULL,
+                       capture_output=True, text=True, timeout=150)
+    assert p.returncode != 0
+    text = ready.read_text().strip()
+    assert len(text.splitlines()) == 1, text
+    assert text.startswith("error: ") and "put {rank} in it" in text, text
+    assert "missing" not in text, text
+    assert not fuse_mounts_under_tmp(tmp_path)
+    assert not local.exists() or os.listdir(local) in ([], [_mountctl.LOCAL_LOCK])
+
+
+def fuse_mounts_under_tmp(tmp_path: Path) -> list[str]:
+    return [mp for mp in fuse_mounts() if mp.startswith(str(tmp_path))]

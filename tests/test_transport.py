@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from _harness import prep_cli
 
+from fanstore_fuse._messages import MAX_FRAME
+
 pytestmark = [pytest.mark.mpi]
 
 HERE = Path(__file__).parent
@@ -43,6 +45,9 @@ def test_blobs_through_mpi_ranks_and_error_replies(src_tree, tmp_path, inline):
     assert client["past_end"] == errno.ENOENT
     assert client["bad_version"] == errno.EPROTO
     assert client["bad_length"] == errno.EPROTO
+    assert client["oversized_request"] == errno.EPROTO  # never allocated by the server
+    assert "over the limit" in (client["oversized_reply"] or "")
+    assert max(client["bytes_received"], server["bytes_received"]) < MAX_FRAME  # nor received
     # each fetched blob was asked for twice (stored bytes, then decoded), plus 4 bad requests
     assert server["served"] == 2 * client["fetched"] + 4
     if inline == "1":

@@ -22,12 +22,22 @@ from dataclasses import dataclass
 import zstandard
 
 from ._errors import ChecksumError
-from ._format import CODEC_FRAMED, CODEC_RAW, CODEC_ZSTD_DICT, checksum
+from ._format import (
+    CODEC_FRAMED,
+    CODEC_RAW,
+    CODEC_ZSTD_DICT,
+    FRAME_ENTRY,
+    FRAME_HEAD,
+    MAX_CHUNK_SIZE,
+    MIN_FRAME,
+    checksum,
+)
 
 _HEAD = struct.Struct("<II")  # frame_size, n_frames
 _ENTRY = struct.Struct("<IQ")  # stored length | ZSTD_BIT, xxh3 of the raw bytes
+assert _HEAD.size == FRAME_HEAD and _ENTRY.size == FRAME_ENTRY
 ZSTD_BIT = 1 << 31
-MIN_FRAME = 4096
+MAX_FRAME = MAX_CHUNK_SIZE
 DEFAULT_FRAME_SIZE = 128 << 10  # zstd frames: one buffered FUSE read (128 KiB) decodes one
 RAW_FRAME_SIZE = 16 << 10  # raw sub-blocks: a 4 KiB random read reads and hashes 16 KiB
 
@@ -63,29 +73,38 @@ class FrameTable:
         return self.offsets[k0], self.offsets[k1 + 1] - self.offsets[k0]
 
 
-def table_bytes_needed(head: bytes | memoryview, stored_len: int, where: str) -> int:
-    """From the first 8 stored bytes: how many bytes the table takes (bounded by the blob)."""
+def table_bytes_needed(
+    head: bytes | memoryview, stored_len: int, where: str, raw_len: int | None = None
+) -> int:
+    """From the first 8 stored bytes: how many bytes the table takes, bounded by the blob and,
+    given the manifest's `raw_len`, by the frame count that raw size allows (checked before
+    anything of that size is read: the fields are checked against the checksum after)."""
     if len(head) < _HEAD.size or stored_len < _HEAD.size:
         raise ChecksumError(f"{where}: framed blob too short for its frame table")
-    _, n = _HEAD.unpack_from(head)
+    size, n = _HEAD.unpack_from(head)
     need = table_size(n)
     if need > stored_len:
         raise ChecksumError(f"{where}: frame table of {n} frames overruns the blob")
+    if raw_len is not None:
+        _check_shape(size, n, raw_len, where)
     return need
+
+
+def _check_shape(size: int, n: int, raw_len: int, where: str) -> None:
+    if not MIN_FRAME <= size <= MAX_FRAME or n != n_frames(raw_len, size) or not n:
+        raise ChecksumError(f"{where}: frame table does not fit the blob ({n} x {size})")
 
 
 def parse_table(
     buf: bytes | memoryview, stored_len: int, raw_len: int, digest: int, where: str
 ) -> FrameTable:
     """Check the table at the start of `buf` against the manifest's digest, then its fields."""
-    need = table_bytes_needed(buf, stored_len, where)
+    need = table_bytes_needed(buf, stored_len, where, raw_len)
     if len(buf) < need:
         raise ChecksumError(f"{where}: frame table truncated")
     if checksum(memoryview(buf)[:need]) != digest:
         raise ChecksumError(f"{where}: frame table checksum mismatch")
     size, n = _HEAD.unpack_from(buf)
-    if size < MIN_FRAME or n != n_frames(raw_len, size) or (raw_len and not n):
-        raise ChecksumError(f"{where}: frame table does not fit the blob ({n} x {size})")
     offsets = array("Q", [need])
     zstd, digests = bytearray(), array("Q")
     for k, (word, d) in enumerate(_ENTRY.iter_unpack(memoryview(buf)[_HEAD.size : need])):

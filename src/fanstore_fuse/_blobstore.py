@@ -137,7 +137,7 @@ class BlobStore:
             return t
         n, off, where = self._stored[blob], self._offset(blob), self.where(blob)
         head = self._pread(blob, min(n, _TABLE_PROBE), off)
-        need = table_bytes_needed(head, n, where)
+        need = table_bytes_needed(head, n, where, self._raw[blob])
         if need > len(head):
             head = self._pread(blob, need, off)
         t = parse_table(head, n, self._raw[blob], self._xxh[blob], where)
@@ -211,7 +211,11 @@ class BlobStore:
         return True
 
     def decode(self, blob: int, stored: bytes | memoryview) -> bytes:
-        """Decode and verify bytes that claim to be `blob` (local or from a peer)."""
+        """Decode and verify bytes that claim to be `blob` (local or from a peer): their length
+        must be the manifest's stored size before anything is decoded."""
+        if len(stored) != self._stored[blob]:
+            raise ChecksumError(f"{self.where(blob)}: {len(stored)} stored bytes, the manifest "
+                                f"says {self._stored[blob]}")
         return self.codec.decode(
             stored, self._codec[blob], self._raw[blob], self._xxh[blob], self.where(blob)
         )

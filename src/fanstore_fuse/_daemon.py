@@ -31,6 +31,7 @@ from ._fuse_ops import Operations
 from ._fuseaccess import fuse_access_problem, mount_failure
 from ._launch import world_error
 from ._mountctl import (
+    LocalDirBusy,
     MountState,
     check_mountpoint,
     default_local_dir,
@@ -167,7 +168,13 @@ def _setup(cfg: MountConfig, rank: int, nranks: int, m: _Mounted, exchange: Exch
         raise FanstoreError(problem)
     state_dir()  # a state dir we may not use is a one-line error now, not after mounting
     local_t = cfg.local_dir or (default_local_dir(cfg.mountpoint) + ("/{rank}" if nranks > 1 else ""))
-    m.local = prepare_local_dir(for_rank(local_t, rank))
+    try:
+        m.local = prepare_local_dir(for_rank(local_t, rank))
+    except LocalDirBusy as e:
+        if nranks > 1 and "{rank}" not in local_t:  # this rank's neighbour on the host has it
+            raise FanstoreError(f"--local {local_t} is shared by the ranks on one host: put "
+                                f"{{rank}} in it (e.g. --local {local_t}/{{rank}})") from e
+        raise
     staged = stage(cfg.dest, m.local, rank, nranks, cfg.replicas, exchange, m.clock,
                    cfg.progress_file)
     m.store, m.held = staged.store, staged.held
@@ -319,7 +326,11 @@ def serve(cfg: MountConfig) -> int:
                       "staged": m.held.get("staged_bytes", 0), "stage_us": m.held.get("stage_in_us", 0)}
     infos: list[_RankInfo] = comm.allgather(me)
     m.clock("allgather")
-    errors = [f"rank {i['rank']}: {i['error']}" for i in infos if i["error"]]
+    failed: dict[str, list[str]] = {}  # one message, the ranks that gave it
+    for i in infos:
+        if i["error"]:
+            failed.setdefault(i["error"], []).append(str(i["rank"]))
+    errors = [f"rank{'s' * (len(r) > 1)} {', '.join(r)}: {e}" for e, r in failed.items()]
     if errors:
         m.teardown()
         msg = "error: " + "; ".join(errors)

@@ -52,6 +52,10 @@ CODEC_NAMES = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd", CODEC_ZSTD_DICT: "zstd+dict
                CODEC_FRAMED: "framed"}
 DEFAULT_CHUNK_SIZE = 4 << 20
 MAX_CHUNK_SIZE = 64 << 20
+# Framed blobs (codec 3): a table of FRAME_HEAD bytes + FRAME_ENTRY per frame, frames of
+# MIN_FRAME .. MAX_CHUNK_SIZE raw bytes (`_blobcodec`).
+FRAME_HEAD, FRAME_ENTRY = 8, 12
+MIN_FRAME = 4096
 # Partition files are named part-%05d.fsp / bcast-%05d.fsp (docs/format.md). Anything else could
 # collide with the manifest, the local-dir marker or a staging temp file in the node-local dir.
 PARTITION_NAME_RE = re.compile(r"(part|bcast)-[0-9]{5,10}\.fsp")

@@ -324,16 +324,25 @@ def _from_sections(sec: dict[str, memoryview], version: int) -> Manifest:
     if not isinstance(d, dict) or d.get("format") != version:
         got = d.get("format") if isinstance(d, dict) else d
         raise FormatError(f"manifest meta format {got!r} unsupported")
-    raw_parts = d["partitions"]
+    raw_parts, dataset_id, options = d.get("partitions"), d.get("dataset_id"), d.get("options")
+    if type(dataset_id) is not int or not 0 <= dataset_id < 1 << 64:
+        raise FormatError(f"manifest meta is malformed: dataset_id {dataset_id!r} is not a u64")
+    if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+        raise FormatError("manifest meta is malformed: options is not a map of names")
     if not isinstance(raw_parts, list) or len(raw_parts) > MAX_PARTITIONS:
         raise FormatError("manifest partition table is malformed")
-    parts = [PartitionInfo(str(p[0]), int(p[1]), bool(p[2])) for p in raw_parts]
+    for i, p in enumerate(raw_parts):
+        if (not isinstance(p, list) or len(p) != 3 or type(p[0]) is not str
+                or type(p[1]) is not int or type(p[2]) is not bool):
+            raise FormatError(f"manifest partition table is malformed: partition {i} is not "
+                              "[name, size, broadcast]")
+    parts = [PartitionInfo(p[0], p[1], p[2]) for p in raw_parts]
     le = sys.byteorder == "little"
     if not le:  # pragma: no cover
         raise FormatError("big-endian hosts cannot map a manifest in place")
     return Manifest(
-        dataset_id=int(d["dataset_id"]),
-        options=dict(d["options"]),
+        dataset_id=dataset_id,
+        options=options,
         partitions=parts,
         entries={k: sec[f"entries.{k}"].cast(t) for k, t in ENTRY_COLUMNS.items()},  # type: ignore[call-overload]
         name_off=sec["name_off"].cast("Q"),

@@ -8,6 +8,7 @@ the mountpoint template or any one rank's mountpoint.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -29,6 +30,17 @@ from .writes import DATA_DIR, WRITES_DIR, has_records
 
 LOCAL_MARKER = ".fanstore-local"
 SAVED_MARKER = ".fanstore-saved"  # written files staged out (verified), and where to
+# A daemon holds an exclusive flock on this file in its local dir for its whole life, taken
+# before anything else in the dir is read or changed: a second mount (or rank) given the same
+# dir is refused instead of truncating files the first one has mapped.
+LOCAL_LOCK = ".fanstore-lock"
+_held: dict[str, int] = {}  # local dir -> fd of its lock file, held by this process
+
+
+class LocalDirBusy(FanstoreError):
+    """A local dir whose lock another live process holds."""
+
+
 STATE_SEED = 0x4D4E5453
 
 
@@ -208,20 +220,75 @@ def check_mountpoint(mountpoint: str, allow_nonempty: bool = False) -> None:
         raise FanstoreError(f"mountpoint {mp} is not empty")
 
 
+def lock_local_dir(path: str) -> int:
+    """Take the local dir's lock (LOCAL_LOCK) for the life of this process, or raise
+    LocalDirBusy naming the pid that holds it. The fd stays open in `_held`."""
+    if path in _held:
+        return _held[path]
+    lock = os.path.join(path, LOCAL_LOCK)
+    while True:
+        fd = open_private(lock, os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise LocalDirBusy(f"local directory {path} is in use by a live mount (pid {holder})"
+                               ": give each mount its own --local") from None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(lock))
+        except FileNotFoundError:  # removed by the previous holder as it ended: take a new one
+            same = False
+        if same:
+            break
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _held[path] = fd
+    return fd
+
+
+def local_dir_in_use(path: str) -> bool:
+    """Whether another live process holds the lock of local dir `path`."""
+    if path in _held:
+        return False
+    try:
+        fd = os.open(os.path.join(path, LOCAL_LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 def prepare_local_dir(path: str) -> str:
-    """Create (or reuse our own) node-local directory; refuse a foreign non-empty one."""
+    """Create (or reuse our own) node-local directory, locked for this process's life (see
+    LOCAL_LOCK); refuse one in use by a live mount, and a foreign non-empty one."""
     path = secure_dir(path, "local directory")
-    entries = set(os.listdir(path))
-    if entries and LOCAL_MARKER not in entries:
-        raise FanstoreError(f"local directory {path} is not empty and not ours")
-    if has_written_files(path):
-        raise FanstoreError(
-            f"local directory {path} holds files written by an earlier mount: run "
-            f"`fanstore-fuse recover {path} --stage-out DIR` first"
-        )
-    marker = os.path.join(path, LOCAL_MARKER)
-    with os.fdopen(open_private(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
-        f.write(f"{os.getpid()}\n")
+    created = not os.path.exists(os.path.join(path, LOCAL_LOCK))
+    lock_local_dir(path)
+    try:
+        entries = set(os.listdir(path)) - {LOCAL_LOCK}
+        if entries and LOCAL_MARKER not in entries:
+            if created:  # leave a foreign dir as it was
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(path, LOCAL_LOCK))
+            raise FanstoreError(f"local directory {path} is not empty and not ours")
+        if has_written_files(path):
+            raise FanstoreError(
+                f"local directory {path} holds files written by an earlier mount: run "
+                f"`fanstore-fuse recover {path} --stage-out DIR` first"
+            )
+        marker = os.path.join(path, LOCAL_MARKER)
+        with os.fdopen(open_private(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
+            f.write(f"{os.getpid()}\n")
+    except BaseException:
+        os.close(_held.pop(path))
+        raise
     return path
 
 
@@ -282,12 +349,14 @@ def remove_local_dir(path: str, keep_writes: bool = False) -> None:
     (and the journal that describes them) stay, with the marker, for stage-out or recover,
     unless a verified stage-out saved them all since their last change (`saved_to`)."""
     marker = os.path.join(path, LOCAL_MARKER)
+    if local_dir_in_use(path):  # a live daemon's: never pull files from under it
+        return
     if os.path.isdir(path) and os.path.exists(marker):
         keep = keep_writes and unsaved_writes(path)
         for name in os.listdir(path):  # the marker goes last, so an interrupted removal can resume
             if name == WRITES_DIR and keep:
                 continue
-            if name != LOCAL_MARKER:
+            if name not in (LOCAL_MARKER, LOCAL_LOCK):
                 p = os.path.join(path, name)
                 if os.path.isdir(p) and not os.path.islink(p):
                     shutil.rmtree(p, ignore_errors=True)
@@ -296,7 +365,14 @@ def remove_local_dir(path: str, keep_writes: bool = False) -> None:
                         os.unlink(p)
         if keep:
             return
-        shutil.rmtree(path, ignore_errors=True)
+        for name in (LOCAL_MARKER, LOCAL_LOCK):  # the lock last: a next mount may take it now
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(path, name))
+        fd = _held.pop(path, None)
+        if fd is not None:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.rmdir(path)  # only if empty: a mount that took the dir since keeps its files
         parent = os.path.dirname(path)
         if os.path.basename(parent).startswith("local-"):  # the default per-mount parent
             with contextlib.suppress(OSError):

@@ -18,6 +18,7 @@ serve those requests concurrently and wait for responses with a timeout.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import logging
 import math
@@ -33,6 +34,8 @@ import trio
 from ._doorbell import Doorbell
 from ._errors import FanstoreError, PeerError
 from ._messages import (
+    HEADER,
+    MAX_FRAME,
     OP_NAMES,
     TAG_REQUEST,
     TAG_RESPONSE,
@@ -319,6 +322,25 @@ class MpiTransport:
 
     # ------------------------------------------------------------ the MPI thread
 
+    def _oversized(self, msg: Any, source: int, tag: int, n: int, byte: Any,
+                   mpi_error: type[Exception]) -> None:
+        """A frame over MAX_FRAME from rank `source`: receive only its header (MPI reports the
+        truncation and drops the rest), log one line, fail the request it answers or answer
+        the request it makes with EPROTO."""
+        head = bytearray(HEADER.size)
+        with contextlib.suppress(mpi_error):
+            msg.Recv([head, len(head), byte])
+        why = f"rank {source} sent a frame of {n} bytes, over the limit of {MAX_FRAME}"
+        log.error("%s; dropped", why)
+        rid = request_id_of(head)
+        if tag == TAG_RESPONSE:
+            token = self._token
+            if token is not None and rid:
+                token.run_sync_soon(self._send_failed, rid, why)
+        elif tag == TAG_REQUEST:
+            err = Frame(0, rid, err=errno.EPROTO, body=why.encode())
+            self._outq.append((source, TAG_RESPONSE, err.encode(), 0))
+
     def _mpi_loop(self) -> None:
         from mpi4py import MPI
 
@@ -371,10 +393,13 @@ class MpiTransport:
                     break
                 busy = True
                 n = status.Get_count(byte)
+                source, tag = status.Get_source(), status.Get_tag()
+                if n > MAX_FRAME:  # never allocated: received cut to its header, answered
+                    self._oversized(msg, source, tag, n, byte, MPI.Exception)
+                    continue
                 buf = alloc(n)
                 msg.Recv([buf, byte])
                 self.bytes_received += n
-                source, tag = status.Get_source(), status.Get_tag()
                 if inline and tag == TAG_REQUEST and handlers.is_inline(buf):
                     # answered here from the page cache, or by a worker thread that reads the
                     # disk: either way without a hop to trio and back

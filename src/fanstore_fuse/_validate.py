@@ -19,21 +19,28 @@ from ._format import (
     BLOB_COLUMNS,
     CODEC_FRAMED,
     CODEC_RAW,
+    CODEC_ZSTD,
     CODEC_ZSTD_DICT,
     DEFAULT_CHUNK_SIZE,
     ENTRY_COLUMNS,
+    FRAME_ENTRY,
+    FRAME_HEAD,
     KIND_DIR,
     KIND_FILE,
     KIND_LINK,
     MAX_CHUNK_SIZE,
     MAX_LINK,
     MAX_NAME,
+    MIN_FRAME,
     PARTITION_DATA_START,
     PARTITION_NAME_RE,
     Manifest,
+    partition_name,
 )
 
 CHUNK = 1 << 18
+# The smallest framed blob: its table with one frame, and that frame's one stored byte.
+_FRAMED_MIN = FRAME_HEAD + FRAME_ENTRY + 1
 _DTYPE = {"B": "<u1", "I": "<u4", "q": "<i8", "Q": "<u8"}
 _IFMT = np.array([stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK], dtype=np.uint32)
 
@@ -126,7 +133,7 @@ def _validate(m: Manifest) -> int:
     m.drop_pages()
     _blobs(m, b, chunk, nb)
     m.drop_pages()
-    _files(e, b["raw"], n, nb)
+    _files(e, b["raw"], chunk, n, nb)
     m.drop_pages()
     _links(e, len(links), n)
     for a, z in _chunks(0, len(links)):
@@ -138,6 +145,8 @@ def _validate(m: Manifest) -> int:
 def _name_table(off: np.ndarray, heap: int, n: int) -> None:
     if off[0] != 0 or off[n] != heap:
         raise FormatError("manifest name table is inconsistent")
+    if off[1] != 0:
+        raise FormatError("entry 0 (the root) has a name; the root's name is empty")
     for a, z in _chunks(0, n):
         _fail_at(off[a + 1 : z + 1] < off[a:z], a,
                  "manifest name table is inconsistent (offsets decrease at entry {i})")
@@ -152,9 +161,16 @@ def check_partitions(m: Manifest) -> int:
             raise FormatError(f"partition {i} size {p.size} is too small")
     if len({p.name for p in m.partitions}) != len(m.partitions):
         raise FormatError("duplicate partition names")
-    chunk = int(m.options.get("chunk_size", DEFAULT_CHUNK_SIZE))
-    if not 4096 <= chunk <= MAX_CHUNK_SIZE:
-        raise FormatError(f"chunk size {chunk} out of range")
+    last = len(m.partitions) - 1
+    for i, p in enumerate(m.partitions):  # part-NNNNN for 0..N-1; bcast-N, the last, flagged
+        want = partition_name(i, p.broadcast)
+        if p.name != want or (p.broadcast and i != last):
+            raise FormatError(f"partition {i} is named {p.name!r} (broadcast {p.broadcast}), "
+                              f"expected {partition_name(i)!r} or, the last only, "
+                              f"{partition_name(i, True)!r} with the broadcast flag")
+    chunk = m.options.get("chunk_size", DEFAULT_CHUNK_SIZE)
+    if type(chunk) is not int or not 4096 <= chunk <= MAX_CHUNK_SIZE:
+        raise FormatError(f"chunk size {chunk!r} out of range (4096 .. {MAX_CHUNK_SIZE})")
     return chunk
 
 
@@ -267,21 +283,37 @@ def _blobs(m: Manifest, b: dict[str, np.ndarray], chunk: int, nb: int) -> None:
         i = _first(part >= nparts, a)
         if i is not None:
             raise FormatError(f"blob {i} names partition {int(b['part'][i])} of {nparts}")
-        ps = psize[np.minimum(part, max(nparts - 1, 0))]
-        _fail_at((off < PARTITION_DATA_START) | (off > ps) | (st > ps - np.minimum(off, ps)), a,
-                 "blob {i} lies outside its partition")
         _fail_at(raw > chunk, a, "blob {i} raw size exceeds the chunk size")
         top = CODEC_FRAMED if m.version >= 3 else CODEC_ZSTD_DICT  # framed blobs: version 3
         _fail_at(cod > top, a, "blob {i} has an unknown codec")
-        _fail_at((cod == CODEC_FRAMED) & ((st < 8) | (raw == 0)), a,
-                 "framed blob {i} is too short for its frame table")
+        _fail_at(raw == 0, a, "blob {i} is empty (an empty file has no blobs)")
+        # stored vs raw, by codec: raw equal; zstd 1 .. raw - 1 (kept only when smaller)
         _fail_at((cod == CODEC_RAW) & (st != raw), a, "raw blob {i} stored size differs from raw size")
+        zstd = (cod == CODEC_ZSTD) | (cod == CODEC_ZSTD_DICT)
+        _fail_at(zstd & ((st == 0) | (st >= raw)), a,
+                 "zstd blob {i} stored size is not between 1 and its raw size - 1 "
+                 "(prep keeps a frame only when it is smaller)")
+        framed = np.flatnonzero(cod == CODEC_FRAMED)
+        if len(framed):  # its table and frames of MIN_FRAME at least, none stored larger
+            sf, rf = st[framed], raw[framed].astype(np.uint64)
+            top_framed = rf + np.uint64(FRAME_HEAD) + np.uint64(FRAME_ENTRY) * (
+                (rf + np.uint64(MIN_FRAME - 1)) // np.uint64(MIN_FRAME))
+            for bad, what in ((sf < _FRAMED_MIN, "is too short for its frame table"),
+                              (sf > top_framed, "stored size exceeds its raw size and largest "
+                                                "frame table")):
+                k = _first(bad)
+                if k is not None:
+                    raise FormatError(f"framed blob {a + int(framed[k])} {what}")
         if not m.zdict:
             _fail_at(cod == CODEC_ZSTD_DICT, a, "blob {i} needs a dictionary the manifest lacks")
+        ps = psize[np.minimum(part, max(nparts - 1, 0))]
+        _fail_at((off < PARTITION_DATA_START) | (off > ps) | (st > ps - np.minimum(off, ps)), a,
+                 "blob {i} lies outside its partition")
 
 
-def _files(e: dict[str, np.ndarray], raw: np.ndarray, n: int, nb: int) -> None:
-    """Files' blob ranges tile the blob table in entry order; each file's blobs sum to its size."""
+def _files(e: dict[str, np.ndarray], raw: np.ndarray, chunk: int, n: int, nb: int) -> None:
+    """Files' blob ranges tile the blob table in entry order; each file's blobs sum to its size;
+    every blob but a file's last holds exactly `chunk` raw bytes."""
     kind, first, count, size = e["kind"], e["first"], e["count"], e["size"]
     nxt = -1  # the blob the next file must start at (found when the share's first chunk comes)
     done = np.uint64(0)  # raw bytes of blobs from the share's first one to `nxt` (differences only)
@@ -302,7 +334,17 @@ def _files(e: dict[str, np.ndarray], raw: np.ndarray, n: int, nb: int) -> None:
             raise FormatError(f"file entry {int(f[bad])}: its blobs do not follow the previous "
                               "file's (blob ranges must tile the blob table)")
         end = int(ends[-1])
-        csum = np.concatenate(([done], done + np.cumsum(raw[nxt:end], dtype=np.uint64)))
+        r = raw[nxt:end]
+        short = r != chunk  # a blob of fewer raw bytes than the chunk size must end its file
+        if short.any():
+            short[(ends[c > 0] - np.uint64(nxt + 1)).astype(np.int64)] = False
+            bad = _first(short)
+            if bad is not None:
+                i = int(f[np.searchsorted(ends, np.uint64(nxt + bad), side="right")])
+                raise FormatError(f"file entry {i}: blob {nxt + bad} holds {int(r[bad])} raw "
+                                  f"bytes; every blob but a file's last holds the chunk size "
+                                  f"{chunk}")
+        csum = np.concatenate(([done], done + np.cumsum(r, dtype=np.uint64)))
         got = csum[(ends - np.uint64(nxt)).astype(np.int64)] - csum[(b0 - np.uint64(nxt)).astype(np.int64)]
         bad = _first(got != size[f])
         if bad is not None:
@@ -327,9 +369,10 @@ def _file_end_before(kind: np.ndarray, first: np.ndarray, count: np.ndarray, a: 
 
 
 def _links(e: dict[str, np.ndarray], heap: int, n: int) -> None:
-    kind, first, size = e["kind"], e["first"], e["size"]
+    kind, first, size, count = e["kind"], e["first"], e["size"], e["count"]
     for a, z in _chunks(0, n):
         is_link = kind[a:z] == KIND_LINK
         f, s = first[a:z], size[a:z]
         bad = is_link & ((s == 0) | (s > MAX_LINK) | (f > heap) | (s > np.uint64(heap) - np.minimum(f, heap)))
         _fail_at(bad, a, "symlink entry {i} target out of range")
+        _fail_at(is_link & (count[a:z] != 0), a, "symlink entry {i} has a count (must be 0)")

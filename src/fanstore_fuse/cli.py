@@ -191,6 +191,9 @@ def mount(
                  "--warm-metadata" if warm_metadata else "--no-warm-metadata"]
         if ranks is not None and ranks > 1 and "{rank}" not in mountpoint:
             _fail("with --ranks > 1 the MOUNTPOINT must contain {rank}")
+        if ranks is not None and ranks > 1 and local and "{rank}" not in local:
+            _fail(f"with --ranks > 1 the ranks share this host: put {{rank}} in --local "
+                  f"(e.g. --local {local}/{{rank}})")
         if join:
             argv += ["--join", os.path.abspath(join), "--node-index", str(node_index),
                      "--nodes", str(nodes), "--join-timeout", str(join_timeout)]
