@@ -53,7 +53,7 @@ class FileStore(StoreBase):
                 raise
             e.dirty, e.fd, e.hasher = True, fd, Hasher()
             self.tree.add(parent, e)
-            parent.mtime_ns = e.mtime_ns
+            parent.touch(e.mtime_ns)
             fh = self._new_handle(e, flags | os.O_CREAT)
             self._handles[fh].changed = True  # a new file is committed on close even if empty
             return fh, self.tree.record(e)
@@ -127,7 +127,7 @@ class FileStore(StoreBase):
             if off + written > e.size:
                 self.used_bytes += off + written - e.size
                 e.size = off + written
-            e.mtime_ns = time.time_ns()
+            e.touch(time.time_ns())
             return written
 
     def _resync_size(self, e: Entry) -> None:
@@ -149,6 +149,8 @@ class FileStore(StoreBase):
             e = self._file(h)
             if off >= e.size or size <= 0:
                 return b""
+            if e.atime_ns <= max(e.mtime_ns, e.ctime_ns):  # relatime: once after each change
+                e.atime_ns = time.time_ns()
             try:
                 return os.pread(e.fd, min(size, e.size - off), off)
             except OSError as err:
@@ -193,7 +195,7 @@ class FileStore(StoreBase):
         e.size = size
         e.dirty = True
         e.version += 1
-        e.mtime_ns = time.time_ns()
+        e.touch(time.time_ns())
         if size == 0:
             e.hasher = Hasher()
         elif e.hasher is not None and e.hasher.pos != size:
