@@ -26,7 +26,7 @@ log = logging.getLogger("fanstore_fuse.fuse")
 
 _QUIET = {errno.ENOENT, errno.ENODATA, errno.EROFS, errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR,
           errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.ENOSYS, errno.EINVAL,
-          errno.ENOTSUP, errno.ENAMETOOLONG}
+          errno.ENOTSUP, errno.ENAMETOOLONG, errno.EXDEV}
 
 F = TypeVar("F", bound=Callable[..., Coroutine[Any, Any, Any]])
 FIRST_BATCH = 32  # entries built for the first part of one readdir request (grows if they fit)
