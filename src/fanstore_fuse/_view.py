@@ -632,16 +632,17 @@ class MountView(ViewMeta):
             raise ReadOnly(f"{name_new!r} belongs to the read-only dataset")
         new = await self._new_target(parent_new, name_new)
         w = self._w()
-        if w.exists(new):
+        replaces = w.exists(new)
+        if replaces:
             if w.inode(new) == w.inode(old):
                 if noreplace:
                     raise Exists(f"{name_new!r} exists")
                 return  # two names of one file: rename(2) does nothing
             self._pin(new)  # replaced
-        # memory work and an appended journal record: no commit, no fsync (a dirty file is
-        # committed later under its new name, by the same rules as any other)
+        # memory work and an appended journal record: no commit, and no fsync unless a file is
+        # replaced (a dirty file is committed later under its new name, as any other)
         before = w.subtree(old) if self.shared is not None else []
-        w.rename(old, new, noreplace)
+        await self._disk(w.rename, old, new, noreplace, nbytes=0 if not replaces else BIG_IO)
         if self.shared is not None:
             for p in before:
                 await self.shared.unpublish(p)

@@ -7,9 +7,10 @@ is fsync'd, its size, one xxh3-64 per ``CHUNK`` and the file's digest (the xxh3 
 `_hashing`) are appended to the journal, and the journal is fsync'd. Only the chunks changed
 since the last commit are hashed again (`Entry.changed_chunks`; appends as they are written).
 Namespace changes (mkdir, create, link, unlink, rmdir, rename, chmod/utimens, xattrs) are
-journal records too; mkdir, unlink and rmdir are fsync'd before they return. A rename or link
-is appended and made durable by the next fsync'd record (a commit, mkdir...): it costs no
-fsync, and the journal stays a prefix of what happened whatever a crash cuts off.
+journal records too; mkdir, unlink, rmdir and a rename that replaces a file are fsync'd before
+they return. Other renames and links are appended and made durable by the next fsync'd record
+(a commit, mkdir...): they cost no fsync, and the journal stays a prefix of what happened
+whatever a crash cuts off.
 
 Locking: one lock guards the in-memory state and is held only for memory work and short
 ``pwrite``/``pread`` calls. Every fsync (data file, journal, directory) and the hashing of a
@@ -217,7 +218,10 @@ class WriteStore(FileStore):
                 raise Exists(f"{new!r} exists")
             self.tree.check_rename(op, on, np_, nn)
             self._log({"o": "rename", "p": op.k, "n": on, "q": np_.k, "w": nn})
-            self._gone(self.tree.move(op.k, on, np_.k, nn))
+            gone = self.tree.move(op.k, on, np_.k, nn)
+            self._gone(gone)
+        if gone:  # a replaced file's data is gone: the record that says so must not be lost
+            self._sync()
 
     def _set_attrs(self, path: PathLike, mode: int | None, mtime_ns: int | None,
                    uid: int | None = None, gid: int | None = None,
