@@ -71,7 +71,10 @@ def test_rename_over_a_link_and_between_names(store: WriteStore) -> None:
     store.rename("a", "b")  # two names of one file: nothing happens
     assert store.exists("a") and store.getattr("b").nlink == 2
     put(store, "c", b"C")
-    store.rename("c", "b")  # replaces the name b: a keeps the old file, nlink 1
+    ctime = store.getattr("a").ctime_ns
+    time.sleep(0.01)
+    store.rename("c", "b")  # replaces the name b: a keeps the old file, nlink 1, new ctime
+    assert store.getattr("a").ctime_ns > ctime
     assert content(store, "b") == b"C"
     assert content(store, "a") == b"A" and store.getattr("a").nlink == 1
     store.link("a", "x")

@@ -183,6 +183,7 @@ class EntryTree:
         e = self.ents[k]
         if e.links:
             self._rename_slot(e, (parent.k, name), None)
+            e.ctime_ns = time.time_ns()  # its link count changed
             return []
         return self._forget(k)
 
