@@ -503,10 +503,15 @@ class MountView(ViewMeta):
         `idle` seconds (None: each file's `idle_window`; 0: all), except those in use or
         keeping an unlinked file for its open files."""
         now = time.monotonic()
-        for inode in [i for i, t in self._used.items()
-                      if now - t >= (self.idle_window(i) if idle is None else idle)
-                      and i not in self._pinned and i not in self._busy]:
-            await self._close_implicit(inode)
+        due = [i for i, t in self._used.items()
+               if now - t >= (self.idle_window(i) if idle is None else idle)
+               and i not in self._pinned and i not in self._busy]
+        if len(due) == 1:
+            await self._close_implicit(due[0])
+        elif due:  # together: their commits share the journal's and the data dir's fsyncs
+            async with trio.open_nursery() as n:
+                for inode in due:
+                    n.start_soon(self._close_implicit, inode)
 
     async def run_closer(self) -> None:
         """no_open: a written file is committed (and published) its `idle_window` (IDLE_CLOSE

@@ -71,6 +71,10 @@ class StoreBase:
         self._handles: dict[int, _Handle] = {}
         self._open_unlinked: dict[int, Entry] = {}  # unlinked while open: data kept to last close
         self._next_fh = 1
+        self._dirents = 1  # data files created (1: those of an earlier daemon); the data dir
+        # is durable up to `_dirents_synced`
+        self._dirents_synced = 0
+        self._dir_lock = threading.Lock()
         self.used_bytes = 0  # sum of the sizes of all live data files
         if not readonly:
             os.makedirs(self.data_dir, mode=0o700, exist_ok=True)

@@ -52,6 +52,7 @@ class FileStore(StoreBase):
                     os.unlink(self._data_path(e.k))
                 raise
             e.dirty, e.fd, e.hasher = True, fd, Hasher()
+            self._dirents += 1
             self.tree.add(parent, e)
             parent.touch(e.mtime_ns)
             fh = self._new_handle(e, flags | os.O_CREAT)
@@ -286,6 +287,17 @@ class FileStore(StoreBase):
                 log.error("closing %s: %s", path, err)
         return failed
 
+    def _sync_data_dir(self) -> None:
+        """fsync the data dir (new data files' names), shared by concurrent commits as the
+        journal's fsync is (`Journal.sync`)."""
+        want = self._dirents
+        with self._dir_lock:
+            if self._dirents_synced >= want:
+                return
+            upto = self._dirents
+            fsync_dir(self.data_dir)
+            self._dirents_synced = upto
+
     def _commit(self, e: Entry) -> float:
         """Commit `e` (the caller holds an open handle of it, not the lock); returns the
         seconds spent hashing (0.0 if its appends were hashed as they came): the chunks changed
@@ -315,7 +327,7 @@ class FileStore(StoreBase):
                 except OSError as err:
                     raise os_error(err, f"fsync {self.tree.path_of(e)!r}") from None
                 if not e.synced_dirent:
-                    fsync_dir(self.data_dir)
+                    self._sync_data_dir()
                     e.synced_dirent = True
                 with self._lock:
                     if e.version != version:
