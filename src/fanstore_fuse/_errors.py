@@ -96,6 +96,13 @@ class NotPermitted(FanstoreError):
     errno = errno.EPERM
 
 
+class CrossDevice(FanstoreError):
+    """A hard link between the dataset and written entries, or to another rank's file: the
+    caller (cp, tar, rsync) copies instead."""
+
+    errno = errno.EXDEV
+
+
 class Unsupported(FanstoreError):
     """A call the file system answers with an errno of its choosing (ENOSYS, ENODATA...)."""
 

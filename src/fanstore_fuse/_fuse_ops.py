@@ -17,7 +17,7 @@ from typing import Any, TypeVar, cast
 import pyfuse3
 
 from . import _cremote, _fastopen, _fastread
-from ._errors import FanstoreError, InvalidArgument, ReadOnly
+from ._errors import FanstoreError, InvalidArgument
 from ._fastclose import PLAIN_FH, cache_listing, plain_entries, root_owner, serve_dataset
 from ._namespace import Record
 from ._view import ENTRY_TIMEOUT, MountView
@@ -26,7 +26,7 @@ log = logging.getLogger("fanstore_fuse.fuse")
 
 _QUIET = {errno.ENOENT, errno.ENODATA, errno.EROFS, errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR,
           errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.ENOSYS, errno.EINVAL,
-          errno.ENOTSUP, errno.ENAMETOOLONG}
+          errno.ENOTSUP, errno.ENAMETOOLONG, errno.EXDEV}
 
 F = TypeVar("F", bound=Callable[..., Coroutine[Any, Any, Any]])
 FIRST_BATCH = 32  # entries built for the first part of one readdir request (grows if they fit)
@@ -52,14 +52,6 @@ def _translate(fn: F) -> F:
             raise pyfuse3.FUSEError(errno.EIO) from None
 
     return cast(F, wrapper)
-
-
-def _read_only(name: str) -> Callable[..., Coroutine[Any, Any, Any]]:
-    async def handler(self: Operations, *args: Any) -> Any:
-        raise ReadOnly(f"{name} is not supported")
-
-    handler.__name__ = name
-    return _translate(handler)
 
 
 class Operations(pyfuse3.Operations):
@@ -100,7 +92,9 @@ class Operations(pyfuse3.Operations):
         a.st_size = r.size
         a.st_blksize = DIR_BLKSIZE if r.is_dir else FILE_BLKSIZE
         a.st_blocks = (r.size + 511) // 512
-        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = r.mtime_ns
+        a.st_mtime_ns = r.mtime_ns
+        a.st_atime_ns = r.atime_ns or r.mtime_ns  # written entries keep their own
+        a.st_ctime_ns = r.ctime_ns or r.mtime_ns
         return a
 
     # ------------------------------------------------------------ names and attributes
@@ -244,6 +238,7 @@ class Operations(pyfuse3.Operations):
             attr.st_mtime_ns if fields.update_mtime else None,
             (attr.st_uid if fields.update_uid else None,
              attr.st_gid if fields.update_gid else None),
+            attr.st_atime_ns if fields.update_atime else None,
         )
         return self._attr(rec)
 
@@ -272,11 +267,11 @@ class Operations(pyfuse3.Operations):
     @_translate
     async def setxattr(self, inode: int, name: bytes, value: bytes,
                        ctx: pyfuse3.RequestContext) -> None:
-        self.view.setxattr(inode, name)
+        self.view.setxattr(inode, name, value)
 
     @_translate
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        self.view.setxattr(inode, name)
+        self.view.setxattr(inode, name, None)
 
     @_translate
     async def symlink(self, parent_inode: int, name: bytes, target: bytes,
@@ -288,5 +283,7 @@ class Operations(pyfuse3.Operations):
                     ctx: pyfuse3.RequestContext):
         return self._attr(await self.view.mknod(parent_inode, name, mode, rdev, ctx.uid, ctx.gid))
 
-    # Not supported, for written entries either: hard links.
-    link = _read_only("link")
+    @_translate
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
+                   ctx: pyfuse3.RequestContext):
+        return self._attr(await self.view.link(inode, new_parent_inode, new_name))

@@ -28,6 +28,8 @@ class Record:
     first: int  # dir: first child; file: first blob; symlink: offset into links
     count: int  # dir: children; file: blobs
     nlink: int
+    atime_ns: int = 0  # written entries only (0: as mtime_ns)
+    ctime_ns: int = 0  # written entries only (0: as mtime_ns)
 
     @property
     def inode(self) -> int:

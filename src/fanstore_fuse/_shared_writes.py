@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import trio
 
 from ._errors import ChecksumError, Exists, FanstoreError, NotCommitted, NotFound, PeerError
-from ._format import KIND_DIR, KIND_FILE, checksum
+from ._format import KIND_DIR, KIND_FILE, KIND_LINK, checksum
 from ._messages import (
     OP_W_LIST,
     OP_W_PUBLISH,
@@ -68,14 +68,16 @@ class Published:
     chunks: list[int] = field(default_factory=list)
     committed: bool = False
     seq: int = 0  # the writer's order of descriptions: a late publish never undoes a newer one
+    target: bytes = b""  # a symlink's
 
     def wire(self) -> list[object]:
         return [self.path, self.kind, self.writer, self.mode, self.uid, self.gid, self.mtime_ns,
-                self.size, self.xxh3, self.chunks, self.committed, self.seq]
+                self.size, self.xxh3, self.chunks, self.committed, self.seq, self.target]
 
     @classmethod
     def from_wire(cls, w: object) -> Published:
-        if not isinstance(w, list) or len(w) != 12 or not isinstance(w[0], bytes):
+        if (not isinstance(w, list) or len(w) != 13 or not isinstance(w[0], bytes)
+                or not isinstance(w[12], bytes)):
             raise PeerError("malformed published entry")
         return cls(*w)  # type: ignore[arg-type]
 
@@ -152,7 +154,9 @@ class SharedWrites:
         rec = self.store.getattr(path)
         e = Published(path, rec.kind, self.rank, rec.mode, rec.uid, rec.gid, rec.mtime_ns,
                       rec.size, seq=next(self._seq))
-        if rec.kind != KIND_DIR:
+        if rec.kind == KIND_LINK:
+            e.target, e.committed = self.store.readlink(path), True
+        elif rec.kind != KIND_DIR:
             try:
                 info = self.store.commit_info(path)
                 e.size, e.xxh3, e.chunks = info.size, info.xxh3, info.chunks
@@ -175,8 +179,16 @@ class SharedWrites:
     async def publish(self, path: bytes, exclusive: bool = False) -> Published:
         """Tell the path's owner and the parent's owner; both must acknowledge. An exclusive
         publish (create, mkdir) asks the path's owner first, the one arbiter of a name: only
-        a winner reaches the parent's listing (Exists for a name another rank holds). Returns
-        what it published."""
+        a winner reaches the parent's listing (Exists for a name another rank holds). A
+        file's other names (hard links) are published again with it. Returns what it
+        published for `path`."""
+        if not exclusive and self.store is not None:
+            for other in self.store.names(path):
+                if other != path:
+                    await self._publish_one(other, False)
+        return await self._publish_one(path, exclusive)
+
+    async def _publish_one(self, path: bytes, exclusive: bool) -> Published:
         e = self.describe(path)
         body = pack([e.wire(), exclusive])
         owner = self.placement.locate_metadata(path)
@@ -196,9 +208,12 @@ class SharedWrites:
             except FanstoreError as ex:
                 errors.append(ex)
 
-        async with trio.open_nursery() as n:
-            for r in ranks:
-                n.start_soon(one, r)
+        if len(ranks) == 1:  # one owner (always so on one rank): no task to start
+            await one(ranks[0])
+        else:
+            async with trio.open_nursery() as n:
+                for r in ranks:
+                    n.start_soon(one, r)
         for ex in errors:
             if ex.errno == errno.EEXIST:
                 raise Exists(f"{path!r} was created on another node")
@@ -208,6 +223,9 @@ class SharedWrites:
     async def unpublish(self, path: bytes) -> None:
         body = pack(path)
         owners = {self.placement.locate_metadata(path), self.placement.locate_metadata(_parent(path))}
+        if len(owners) == 1:
+            await self._quiet(owners.pop(), OP_W_UNPUBLISH, body)
+            return
         async with trio.open_nursery() as n:
             for r in owners:
                 n.start_soon(self._quiet, r, OP_W_UNPUBLISH, body)

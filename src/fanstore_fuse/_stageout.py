@@ -4,8 +4,10 @@ Pure library code: no FUSE, no MPI. Each rank stages its own store(s) (in parall
 ranks); within a rank, `workers` threads copy files. Every file goes to a temporary name in its
 destination directory, is checked against the size and xxh3-64 recorded when it was last
 closed (the bytes read from the local copy, and by default the destination re-read after
-fsync), gets its mode and mtime, and only then is renamed over the final name. Nothing local is
-ever removed here: the caller removes a local directory only when the summary is `ok`.
+fsync), gets its mode, mtime and ``user.*`` attributes, and only then is renamed over the final
+name. A file with several names (hard links) is copied once and its other names are hard
+links to that copy. Nothing local is ever removed here: the caller removes a local directory
+only when the summary is `ok`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ._errors import ChecksumError, FanstoreError
-from ._format import KIND_LINK
+from ._format import KIND_DIR, KIND_LINK
 from ._fsio import write_all
 from ._namespace import Record
 from ._safepath import Escape, open_beneath
@@ -97,8 +99,14 @@ def _chown(fd_or_path: int | str, owner: tuple[int, int] | None) -> None:
             raise
 
 
+def _set_xattrs(fd: int, xattrs: dict[bytes, bytes] | None) -> None:
+    for name, value in (xattrs or {}).items():
+        os.setxattr(fd, name, value)
+
+
 def copy_verified(src: str, commit: CommitInfo, dest: str, verify_dest: bool = True,
-                  dir_fd: int | None = None, owner: tuple[int, int] | None = None) -> int:
+                  dir_fd: int | None = None, owner: tuple[int, int] | None = None,
+                  xattrs: dict[bytes, bytes] | None = None) -> int:
     """Copy the committed version of `src` to `dest` via a temporary name; returns bytes.
     With `dir_fd`, `dest` is a name in that directory (see `_safepath.open_beneath`).
 
@@ -125,6 +133,7 @@ def copy_verified(src: str, commit: CommitInfo, dest: str, verify_dest: bool = T
             os.fsync(dfd)
             _chown(dfd, owner)  # before the mode: a chown clears set-id bits
             os.fchmod(dfd, stat.S_IMODE(commit.mode))
+            _set_xattrs(dfd, xattrs)
         finally:
             os.close(dfd)
         if verify_dest:
@@ -171,6 +180,23 @@ def _split(rel: bytes) -> tuple[str, str]:
     return parent, name
 
 
+def _hard_link(root: int, to: bytes, rel: bytes, shown: str) -> None:
+    """Make `rel` a hard link to the staged `to` (in place of a non-directory named `rel`)."""
+    tparent, tname = _split(to)
+    parent, name = _split(rel)
+    sfd = open_beneath(root, tparent, shown=shown)
+    try:
+        dfd = open_beneath(root, parent, create=True, shown=shown)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dfd)
+            os.link(tname, name, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
+        finally:
+            os.close(dfd)
+    finally:
+        os.close(sfd)
+
+
 def stage_out(
     stores_or_local_dirs: Sequence[WriteStore | str] | WriteStore | str,
     out_dir: str,
@@ -197,6 +223,9 @@ def stage_out(
     dirs: list[tuple[bytes, int, int, bool]] = []
     owners: dict[bytes, tuple[int, int]] = {}
     specials: list[tuple[bytes, Record, bytes]] = []  # symlinks and special files
+    xattrs: dict[bytes, dict[bytes, bytes]] = {}
+    links: list[tuple[bytes, bytes]] = []  # (a file's other name, its first name)
+    staged: set[bytes] = set()
     opened: list[WriteStore] = []
     try:
         for src in stores_or_local_dirs:
@@ -210,8 +239,13 @@ def stage_out(
                 store = src
             summary.warnings.extend(store.warnings)
             label = store.local_dir
+            first: dict[int, bytes] = {}  # inode: its first name (hard links)
             for rel, rec, commit, data in store.walk():
                 owners[rel] = (rec.uid, rec.gid)
+                if rec.kind == KIND_DIR or data is not None:
+                    xs = store.xattrs(rel)
+                    if xs:
+                        xattrs[rel] = xs
                 if rec.is_dir:
                     dirs.append((rel, rec.mode, rec.mtime_ns, store.is_shadow(rel)))
                     continue
@@ -221,6 +255,10 @@ def stage_out(
                         data or ""))
                     continue
                 seen[rel] = label
+                if rec.inode in first:
+                    links.append((rel, first[rec.inode]))
+                    continue
+                first[rec.inode] = rel
                 if data is None:
                     target = store.readlink(rel) if rec.kind == KIND_LINK else b""
                     specials.append((rel, rec, target))
@@ -252,6 +290,7 @@ def stage_out(
                 finally:
                     os.close(dfd)
                 summary.files += 1
+                staged.add(rel)
             except Escape as e:
                 summary.failures.append(StageFailure(os.fsdecode(rel), str(e)))
             except OSError as e:
@@ -263,8 +302,8 @@ def stage_out(
             try:
                 dfd = open_beneath(root, parent, create=True, shown=out_dir)
                 try:
-                    return (rel, copy_verified(data, commit, name, verify_dest, dfd, owners[rel]),
-                            None, False)
+                    return (rel, copy_verified(data, commit, name, verify_dest, dfd, owners[rel],
+                                               xattrs.get(rel)), None, False)
                 finally:
                     os.close(dfd)
             except _Mismatch as e:
@@ -279,6 +318,7 @@ def stage_out(
             for rel, n, err, mismatch in pool.map(one, jobs):
                 if err is None:
                     summary.files += 1
+                    staged.add(rel)
                     summary.bytes += n
                 elif mismatch and not unclosed_is_failure:
                     data = by_rel[rel][1]
@@ -286,6 +326,20 @@ def stage_out(
                     summary.unclosed.append(Unclosed(os.fsdecode(rel), size, err, data))
                 else:
                     summary.failures.append(StageFailure(os.fsdecode(rel), err, by_rel[rel][1]))
+        unclosed = {u.path for u in summary.unclosed}
+        for rel, to in links:
+            if to not in staged and os.fsdecode(to) in unclosed:  # recover: reported there
+                summary.unclosed.append(Unclosed(os.fsdecode(rel), 0,
+                                                 f"a hard link to {os.fsdecode(to)}"))
+                continue
+            try:
+                _hard_link(root, to, rel, out_dir)
+                summary.files += 1
+            except Escape as e:
+                summary.failures.append(StageFailure(os.fsdecode(rel), str(e)))
+            except OSError as e:
+                summary.failures.append(StageFailure(
+                    os.fsdecode(rel), f"hard link to {os.fsdecode(to)}: {e.strerror or e}"))
         # Directory modes and mtimes last (deepest first), so a read-only dir can still be filled.
         for rel, mode, mtime, shadow in sorted(dirs, key=lambda t: -t[0].count(b"/")):
             try:
@@ -299,6 +353,7 @@ def stage_out(
                     continue
                 _chown(fd, owners[rel])
                 os.fchmod(fd, stat.S_IMODE(mode))
+                _set_xattrs(fd, xattrs.get(rel))
                 os.utime(fd, ns=(mtime, mtime))
                 summary.dirs += 1
             except OSError as e:

@@ -42,6 +42,7 @@ from typing import TypeVar
 import trio
 
 from ._errors import (
+    CrossDevice,
     Exists,
     FanstoreError,
     NameTooLong,
@@ -250,7 +251,8 @@ class MountView(ViewMeta):
             w = self._w()
             return w.readlink(w.path(inode))
         if o == ELSEWHERE:
-            raise Unsupported("symlinks written on another node are not readable here", errno.EIO)
+            assert self.shared is not None
+            return (await self.shared.stat(self._remote_path(inode))).target
         return await self.node.readlink(inode - 1)
 
     # ------------------------------------------------------------ directories
@@ -458,7 +460,8 @@ class MountView(ViewMeta):
             return
         w = self._w()
         try:
-            if w.getattr(path).kind == KIND_FILE:
+            r = w.getattr(path)
+            if r.kind == KIND_FILE and r.nlink <= 1:  # its last name
                 inode = w.inode(path)
                 self._implicit_handle(inode)
                 self._pinned.add(inode)
@@ -500,10 +503,15 @@ class MountView(ViewMeta):
         `idle` seconds (None: each file's `idle_window`; 0: all), except those in use or
         keeping an unlinked file for its open files."""
         now = time.monotonic()
-        for inode in [i for i, t in self._used.items()
-                      if now - t >= (self.idle_window(i) if idle is None else idle)
-                      and i not in self._pinned and i not in self._busy]:
-            await self._close_implicit(inode)
+        due = [i for i, t in self._used.items()
+               if now - t >= (self.idle_window(i) if idle is None else idle)
+               and i not in self._pinned and i not in self._busy]
+        if len(due) == 1:
+            await self._close_implicit(due[0])
+        elif due:  # together: their commits share the journal's and the data dir's fsyncs
+            async with trio.open_nursery() as n:
+                for inode in due:
+                    n.start_soon(self._close_implicit, inode)
 
     async def run_closer(self) -> None:
         """no_open: a written file is committed (and published) its `idle_window` (IDLE_CLOSE
@@ -566,7 +574,7 @@ class MountView(ViewMeta):
         w = self._w()
         if self.no_open:  # the inode's one handle serves every open; the kernel places appends
             flags = (flags & ~(os.O_ACCMODE | os.O_APPEND)) | os.O_RDWR
-        fh, rec = await self._disk(w.create, path, mode, flags, uid, gid)
+        fh, rec = await self._disk(w.create, path, mode, flags, uid, gid, nbytes=0)  # no fsync
         try:
             await self._publish(path, exclusive=True)
         except FanstoreError as e:  # another rank won the name (or an owner is silent): undo
@@ -629,20 +637,44 @@ class MountView(ViewMeta):
             raise ReadOnly(f"{name_new!r} belongs to the read-only dataset")
         new = await self._new_target(parent_new, name_new)
         w = self._w()
-        if w.exists(new):
+        replaces = w.exists(new)
+        if replaces:
+            if w.inode(new) == w.inode(old):
+                if noreplace:
+                    raise Exists(f"{name_new!r} exists")
+                return  # two names of one file: rename(2) does nothing
             self._pin(new)  # replaced
-        before = [p for p, *_ in w.walk() if p == old or p.startswith(old + b"/")]
-        await self._disk(w.rename, old, new, noreplace)
+        # memory work and an appended journal record: no commit, and no fsync unless a file is
+        # replaced (a dirty file is committed later under its new name, as any other)
+        before = w.subtree(old) if self.shared is not None else []
+        await self._disk(w.rename, old, new, noreplace, nbytes=0 if not replaces else BIG_IO)
         if self.shared is not None:
             for p in before:
                 await self.shared.unpublish(p)
-            for p, *_ in w.walk():
-                if (p == new or p.startswith(new + b"/")) and not w.is_shadow(p):
+            for p in w.subtree(new):
+                if not w.is_shadow(p):
                     await self.shared.publish(p)
+
+    async def link(self, inode: int, parent: int, name: bytes) -> Record:
+        """link(2) of a written entry to a new name (EXDEV for the dataset's files and other
+        ranks' files: cp, tar and rsync then copy), published like a new file."""
+        w = self._w()
+        if origin(inode) != HERE:
+            raise CrossDevice("only files written on this node can be hard-linked")
+        path = await self._new_path(parent, name)
+        rec = w.link(w.path(inode), path)
+        try:
+            await self._publish(path, exclusive=True)
+        except FanstoreError as e:
+            await self._disk(w.unlink, path)
+            await self._withdraw(path, e)
+            raise
+        return rec
 
     async def setattr(self, inode: int, fh: int | None, size: int | None, mode: int | None,
                       mtime_ns: int | None,
-                      owner: tuple[int | None, int | None] = (None, None)) -> Record:
+                      owner: tuple[int | None, int | None] = (None, None),
+                      atime_ns: int | None = None) -> Record:
         """truncate/chmod/chown/utimens of a written entry. `owner` is (uid, gid), None for
         unchanged; the kernel has checked the caller may (default_permissions)."""
         o = origin(inode)
@@ -659,8 +691,8 @@ class MountView(ViewMeta):
             await self._disk(w.truncate, target, size)
         if mode is not None:
             await self._disk(w.chmod, path, mode, nbytes=0)
-        if mtime_ns is not None:
-            await self._disk(w.utimens, path, mtime_ns, nbytes=0)
+        if mtime_ns is not None or atime_ns is not None:
+            await self._disk(w.utimens, path, mtime_ns, atime_ns, nbytes=0)
         rec = w.getattr(path)
         if self.shared is not None and (rec.kind == KIND_DIR or not w.is_dirty(path)):
             await self.shared.publish(path)

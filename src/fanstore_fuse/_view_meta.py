@@ -2,10 +2,11 @@
 
 A mixin of `MountView` (which provides `node`, `writes`, `status` and `owner_uid`).
 Dataset files carry read-only ``user.fanstore.*`` attributes and the root the owner's
-``user.fanstore.status``. Setting attributes: ``system.posix_acl_*`` gives **ENOTSUP** on
-every entry (so ``cp -p``, ``cp -a`` and ``install -m`` treat ACLs as unsupported, as on a
-file system mounted without ACLs), other names EROFS on the dataset and ENOTSUP on written
-entries.
+``user.fanstore.status``. Entries written on this node keep ``user.*`` attributes (set, get,
+list, remove; journaled, staged out with them). Setting attributes: ``system.posix_acl_*``
+gives **ENOTSUP** on every entry (so ``cp -p``, ``cp -a`` and ``install -m`` treat ACLs as
+unsupported, as on a file system mounted without ACLs), other names EROFS on the dataset,
+ENOTSUP on written entries unless ``user.*``, and EPERM on another node's entries.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from ._errors import AccessDenied, NoData, ReadOnly, Unsupported
+from ._errors import AccessDenied, NoData, NotPermitted, ReadOnly, Unsupported
 from ._node import Node
+from ._shared_writes import REMOTE_INODE_BASE
 from .writes import WRITE_INODE_BASE, WriteStore
 
 XATTR_PREFIX = b"user.fanstore."
@@ -68,7 +70,17 @@ class ViewMeta:
     def _control_allowed(self, uid: int) -> bool:
         return uid in (0, self.owner_uid)
 
+    def _written_here(self, inode: int) -> bytes | None:
+        """The path of an entry written on this node, None for any other inode."""
+        if self.writes is None or not WRITE_INODE_BASE <= inode < REMOTE_INODE_BASE:
+            return None
+        return self.writes.path(inode)
+
     async def getxattr(self, inode: int, name: bytes, uid: int) -> bytes:
+        path = self._written_here(inode)
+        if path is not None:
+            assert self.writes is not None
+            return self.writes.getxattr(path, name)
         if inode == 1 and name == STATUS_XATTR:
             if not self._control_allowed(uid):
                 raise AccessDenied("the status is for the mount's owner")
@@ -79,16 +91,25 @@ class ViewMeta:
         return value
 
     def listxattr(self, inode: int, uid: int) -> list[bytes]:
+        path = self._written_here(inode)
+        if path is not None:
+            assert self.writes is not None
+            return self.writes.listxattr(path)
         names = list(self._xattrs(inode))
         if inode == 1 and self._control_allowed(uid):
             names.append(STATUS_XATTR)
         return names
 
-    def setxattr(self, inode: int, name: bytes) -> None:
-        """setxattr and removexattr: nothing can be set (see the module docstring)."""
+    def setxattr(self, inode: int, name: bytes, value: bytes | None) -> None:
+        """setxattr, and removexattr (`value` None); see the module docstring."""
         if name.startswith(ACL_PREFIX):
             raise Unsupported("POSIX ACLs are not supported", errno.ENOTSUP)
         if inode < WRITE_INODE_BASE:
             raise ReadOnly("the dataset is read-only")
-        raise Unsupported("extended attributes of written entries are not supported",
-                          errno.ENOTSUP)
+        path = self._written_here(inode)
+        if path is None:
+            if self.writes is None and inode < REMOTE_INODE_BASE:
+                raise ReadOnly("this mount is read-only")
+            raise NotPermitted("only the writing node may change this entry")
+        assert self.writes is not None
+        self.writes.setxattr(path, name, value)

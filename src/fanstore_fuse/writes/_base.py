@@ -71,6 +71,10 @@ class StoreBase:
         self._handles: dict[int, _Handle] = {}
         self._open_unlinked: dict[int, Entry] = {}  # unlinked while open: data kept to last close
         self._next_fh = 1
+        self._dirents = 1  # data files created (1: those of an earlier daemon); the data dir
+        # is durable up to `_dirents_synced`
+        self._dirents_synced = 0
+        self._dir_lock = threading.Lock()
         self.used_bytes = 0  # sum of the sizes of all live data files
         if not readonly:
             os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
@@ -100,7 +104,8 @@ class StoreBase:
                 int(r["k"]), int(r["p"]), bytes(r["n"]), kind, int(r["m"]), int(r["u"]),
                 int(r["g"]), int(r["t"]), size=DIR_SIZE if kind == KIND_DIR else 0,
                 children={} if kind == KIND_DIR else None, shadow=bool(r.get("s", False)),
-                target=bytes(r.get("l", b"")), rdev=int(r.get("r", 0))))
+                target=bytes(r.get("l", b"")), rdev=int(r.get("r", 0)),
+                ctime_ns=int(r["t"]), atime_ns=int(r["t"])))
         elif op == "commit":
             e = t.get(int(r["k"]))
             c = array("Q")
@@ -108,10 +113,23 @@ class StoreBase:
             chunks = c.tolist()  # the digest is theirs (version 1 journals: of the bytes)
             e.commit = CommitInfo(int(r["z"]), whole_digest(chunks), int(r["t"]), int(r["m"]), chunks)
             e.mtime_ns, e.mode = e.commit.mtime_ns, e.commit.mode
+            e.ctime_ns = max(e.ctime_ns, e.mtime_ns)
         elif op == "unlink" or op == "rmdir":
             self._gone(t.detach(t.dir(int(r["p"])), bytes(r["n"])))
         elif op == "rename":
             self._gone(t.move(int(r["p"]), bytes(r["n"]), int(r["q"]), bytes(r["w"])))
+        elif op == "link":
+            e = t.get(int(r["k"]))
+            t.link(e, t.dir(int(r["p"])), bytes(r["n"]))
+            e.ctime_ns = int(r["t"])
+        elif op == "xattr":
+            e = t.get(int(r["k"]))
+            xs = e.xattrs if e.xattrs is not None else {}
+            if r["v"] is None:
+                xs.pop(bytes(r["n"]), None)
+            else:
+                xs[bytes(r["n"])] = bytes(r["v"])
+            e.xattrs = xs or None
         elif op == "attr":
             e = t.get(int(r["k"]))
             if r.get("m") is not None:
@@ -122,6 +140,10 @@ class StoreBase:
                 e.uid = int(r["u"])
             if r.get("g") is not None:
                 e.gid = int(r["g"])
+            if r.get("a") is not None:
+                e.atime_ns = int(r["a"])
+            if r.get("c") is not None:
+                e.ctime_ns = int(r["c"])
             e.attrs_to_commit()
         else:
             raise ValueError(f"unknown operation {op!r}")
@@ -228,9 +250,10 @@ class StoreBase:
         if name in parent.kids:
             raise Exists(f"{path!r} exists")
         bits = {KIND_DIR: stat.S_IFDIR, KIND_FILE: stat.S_IFREG}.get(kind, stat.S_IFMT(mode))
+        now = time.time_ns()
         e = Entry(self.tree.next_k, parent.k, name, kind, bits | (mode & 0o7777),
                   self._uid if uid is None else uid, self._gid if gid is None else gid,
-                  time.time_ns(), shadow=shadow)
+                  now, shadow=shadow, ctime_ns=now, atime_ns=now)
         if kind == KIND_DIR:
             e.size, e.children = DIR_SIZE, {}
         return parent, e

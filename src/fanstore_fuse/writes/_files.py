@@ -52,8 +52,9 @@ class FileStore(StoreBase):
                     os.unlink(self._data_path(e.k))
                 raise
             e.dirty, e.fd, e.hasher = True, fd, Hasher()
+            self._dirents += 1
             self.tree.add(parent, e)
-            parent.mtime_ns = e.mtime_ns
+            parent.touch(e.mtime_ns)
             fh = self._new_handle(e, flags | os.O_CREAT)
             self._handles[fh].changed = True  # a new file is committed on close even if empty
             return fh, self.tree.record(e)
@@ -127,7 +128,7 @@ class FileStore(StoreBase):
             if off + written > e.size:
                 self.used_bytes += off + written - e.size
                 e.size = off + written
-            e.mtime_ns = time.time_ns()
+            e.touch(time.time_ns())
             return written
 
     def _resync_size(self, e: Entry) -> None:
@@ -149,6 +150,8 @@ class FileStore(StoreBase):
             e = self._file(h)
             if off >= e.size or size <= 0:
                 return b""
+            if e.atime_ns <= max(e.mtime_ns, e.ctime_ns):  # relatime: once after each change
+                e.atime_ns = time.time_ns()
             try:
                 return os.pread(e.fd, min(size, e.size - off), off)
             except OSError as err:
@@ -193,7 +196,7 @@ class FileStore(StoreBase):
         e.size = size
         e.dirty = True
         e.version += 1
-        e.mtime_ns = time.time_ns()
+        e.touch(time.time_ns())
         if size == 0:
             e.hasher = Hasher()
         elif e.hasher is not None and e.hasher.pos != size:
@@ -284,6 +287,17 @@ class FileStore(StoreBase):
                 log.error("closing %s: %s", path, err)
         return failed
 
+    def _sync_data_dir(self) -> None:
+        """fsync the data dir (new data files' names), shared by concurrent commits as the
+        journal's fsync is (`Journal.sync`)."""
+        want = self._dirents
+        with self._dir_lock:
+            if self._dirents_synced >= want:
+                return
+            upto = self._dirents
+            fsync_dir(self.data_dir)
+            self._dirents_synced = upto
+
     def _commit(self, e: Entry) -> float:
         """Commit `e` (the caller holds an open handle of it, not the lock); returns the
         seconds spent hashing (0.0 if its appends were hashed as they came): the chunks changed
@@ -313,7 +327,7 @@ class FileStore(StoreBase):
                 except OSError as err:
                     raise os_error(err, f"fsync {self.tree.path_of(e)!r}") from None
                 if not e.synced_dirent:
-                    fsync_dir(self.data_dir)
+                    self._sync_data_dir()
                     e.synced_dirent = True
                 with self._lock:
                     if e.version != version:

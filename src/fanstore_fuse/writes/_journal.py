@@ -17,6 +17,7 @@ import errno
 import logging
 import os
 import struct
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -56,6 +57,8 @@ class Journal:
         self.fd = -1
         self.end = 0
         self.version = JOURNAL_VERSION  # the version read (appends make it JOURNAL_VERSION)
+        self._synced = 0  # the journal is durable up to here
+        self._sync_lock = threading.Lock()
 
     def replay(self) -> Iterator[dict[str, Any]]:
         """Yield the valid records; stop (with a warning) at the first torn or corrupt one."""
@@ -147,10 +150,19 @@ class Journal:
         self.end += len(frame)
 
     def sync(self) -> None:
-        try:
-            os.fsync(self.fd)
-        except OSError as e:
-            raise os_error(e, "journal") from None
+        """Make every record appended so far durable. Callers that come while another's fsync
+        runs wait for it and fsync once more only if it did not cover their records (a group
+        commit: concurrent commits share fsyncs)."""
+        want = self.end
+        with self._sync_lock:
+            if self._synced >= want:
+                return
+            upto = self.end
+            try:
+                os.fsync(self.fd)
+            except OSError as e:
+                raise os_error(e, "journal") from None
+            self._synced = upto
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -6,8 +6,11 @@ layout). ``close`` (of a handle that changed the file) and ``fsync`` *commit* it
 is fsync'd, its size, one xxh3-64 per ``CHUNK`` and the file's digest (the xxh3 of those, see
 `_hashing`) are appended to the journal, and the journal is fsync'd. Only the chunks changed
 since the last commit are hashed again (`Entry.changed_chunks`; appends as they are written).
-Namespace changes (mkdir, create, unlink, rmdir, rename, chmod/utimens) are journal records too;
-mkdir, unlink, rmdir and rename are fsync'd before they return.
+Namespace changes (mkdir, create, link, unlink, rmdir, rename, chmod/utimens, xattrs) are
+journal records too; mkdir, unlink, rmdir and a rename that replaces a file are fsync'd before
+they return. Other renames and links are appended and made durable by the next fsync'd record
+(a commit, mkdir...): they cost no fsync, and the journal stays a prefix of what happened
+whatever a crash cuts off.
 
 Locking: one lock guards the in-memory state and is held only for memory work and short
 ``pwrite``/``pread`` calls. Every fsync (data file, journal, directory) and the hashing of a
@@ -18,6 +21,7 @@ the file did not change meanwhile (`Entry.version`), and hashes again if it did.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -29,10 +33,13 @@ from .._errors import (
     Exists,
     InvalidArgument,
     IsADirectory,
+    NoData,
     NotADirectory,
     NotCommitted,
     NotEmpty,
     NotFound,
+    NotPermitted,
+    Unsupported,
     os_error,
 )
 from .._format import KIND_DIR, KIND_FILE, KIND_LINK, checksum
@@ -42,6 +49,10 @@ from ._hashing import CHUNK
 from ._tree import KIND_NODE, CommitInfo, PathLike, split_path
 
 log = logging.getLogger("fanstore_fuse.writes")
+
+XATTR_NAME_MAX = 255
+XATTR_SIZE_MAX = 64 << 10  # Linux's limit for one value
+XATTR_COUNT_MAX = 1024  # attributes per entry (they live in memory and in the journal)
 
 
 class WriteStore(FileStore):
@@ -59,27 +70,43 @@ class WriteStore(FileStore):
 
     def getattr(self, path: PathLike) -> Record:
         with self._lock:
-            return self.tree.record(self.tree.entry(path))
+            parts = split_path(path)
+            return self.tree.record(self.tree.walk(parts), parts[-1] if parts else None)
 
     def lookup(self, parent: PathLike, name: bytes) -> Record:
         with self._lock:
             k = self.tree.entry(parent).kids.get(name)
             if k is None:
                 raise NotFound(f"{name!r} not found")
-            return self.tree.record(self.tree.ents[k])
+            return self.tree.record(self.tree.ents[k], name)
 
     def listdir(self, path: PathLike) -> list[Record]:
         """Children sorted by name (the mount view merges them with dataset children)."""
         with self._lock:
             d = self.tree.entry(path)
-            return [self.tree.record(self.tree.ents[d.kids[n]]) for n in sorted(d.kids)]
+            return [self.tree.record(self.tree.ents[d.kids[n]], n) for n in sorted(d.kids)]
+
+    def names(self, path: PathLike) -> list[bytes]:
+        """Every path of the entry at `path` (several for a file with hard links)."""
+        with self._lock:
+            e = self.tree.entry(path)
+            return [self.tree.path_of(self.tree.ents[p]) + b"/" + n if p else n
+                    for p, n in e.names()]
+
+    def subtree(self, path: PathLike) -> list[bytes]:
+        """`path` and, for a directory, every path below it (parents first)."""
+        with self._lock:
+            e = self.tree.entry(path)
+            top = b"/".join(split_path(path))
+            below = self.tree.below(e, top) if e.kind == KIND_DIR else []
+            return [top] + [p for p, _ in below]
 
     def _mkdir(self, path: PathLike, mode: int, shadow: bool, uid: int | None,
                gid: int | None) -> Record:
         parent, e = self._new_entry(path, KIND_DIR, mode, uid, gid, shadow)
         self._log_new(parent, e)
         self.tree.add(parent, e)
-        parent.mtime_ns = e.mtime_ns
+        parent.touch(e.mtime_ns)
         return self.tree.record(e)
 
     def mkdir(self, path: PathLike, mode: int = 0o755, shadow: bool = False,
@@ -107,7 +134,7 @@ class WriteStore(FileStore):
             e.target, e.rdev = target, rdev
             self._log_new(parent, e)
             self.tree.add(parent, e)
-            parent.mtime_ns = e.mtime_ns
+            parent.touch(e.mtime_ns)
             rec = self.tree.record(e)
         self._sync()
         return rec
@@ -149,7 +176,7 @@ class WriteStore(FileStore):
                 raise NotEmpty(f"{path!r} is not empty")
             self._log({"o": "rmdir", "p": parent.k, "n": name})
             self._gone(self.tree.detach(parent, name))
-            parent.mtime_ns = time.time_ns()
+            parent.touch(time.time_ns())
         self._sync()
 
     def unlink(self, path: PathLike) -> None:
@@ -159,8 +186,26 @@ class WriteStore(FileStore):
                 raise IsADirectory(f"{path!r} is a directory")
             self._log({"o": "unlink", "p": parent.k, "n": name})
             self._gone(self.tree.detach(parent, name))
-            parent.mtime_ns = time.time_ns()
+            now = time.time_ns()
+            parent.touch(now)
+            e.ctime_ns = now  # its other names (if any) see the link count change
         self._sync()
+
+    def link(self, old: PathLike, new: PathLike) -> Record:
+        """link(2): another name for the non-directory at `old` (EEXIST if `new` exists)."""
+        with self._lock:
+            e = self.tree.entry(old)
+            if e.kind == KIND_DIR:
+                raise NotPermitted(f"{old!r} is a directory")
+            parent, name = self.tree.parent_and_name(new)
+            if name in parent.kids:
+                raise Exists(f"{new!r} exists")
+            now = time.time_ns()
+            self._log({"o": "link", "k": e.k, "p": parent.k, "n": name, "t": now})
+            self.tree.link(e, parent, name)
+            e.ctime_ns = now
+            parent.touch(now)
+            return self.tree.record(e, name)
 
     def rename(self, old: PathLike, new: PathLike, noreplace: bool = False) -> None:
         """POSIX rename(2) within the written namespace (RENAME_NOREPLACE via `noreplace`)."""
@@ -173,21 +218,28 @@ class WriteStore(FileStore):
                 raise Exists(f"{new!r} exists")
             self.tree.check_rename(op, on, np_, nn)
             self._log({"o": "rename", "p": op.k, "n": on, "q": np_.k, "w": nn})
-            self._gone(self.tree.move(op.k, on, np_.k, nn))
-        self._sync()
+            gone = self.tree.move(op.k, on, np_.k, nn)
+            self._gone(gone)
+        if gone:  # a replaced file's data is gone: the record that says so must not be lost
+            self._sync()
 
     def _set_attrs(self, path: PathLike, mode: int | None, mtime_ns: int | None,
-                   uid: int | None = None, gid: int | None = None) -> Record:
+                   uid: int | None = None, gid: int | None = None,
+                   atime_ns: int | None = None) -> Record:
         with self._lock:
             e = self.tree.entry(path)
             m = None if mode is None else stat.S_IFMT(e.mode) | (mode & 0o7777)
             t = None if mtime_ns is None else int(mtime_ns)
+            a = None if atime_ns is None else int(atime_ns)
+            now = time.time_ns()
             owner = {} if uid is None and gid is None else {"u": uid, "g": gid}
-            self._log({"o": "attr", "k": e.k, "m": m, "t": t, **owner})
+            self._log({"o": "attr", "k": e.k, "m": m, "t": t, **owner, "a": a, "c": now})
             e.mode = e.mode if m is None else m
             e.mtime_ns = e.mtime_ns if t is None else t
+            e.atime_ns = e.atime_ns if a is None else a
             e.uid = e.uid if uid is None else uid
             e.gid = e.gid if gid is None else gid
+            e.ctime_ns = now
             e.attrs_to_commit()
             return self.tree.record(e)
 
@@ -198,8 +250,45 @@ class WriteStore(FileStore):
     def chmod(self, path: PathLike, mode: int) -> Record:
         return self._set_attrs(path, mode, None)
 
-    def utimens(self, path: PathLike, mtime_ns: int) -> Record:
-        return self._set_attrs(path, None, mtime_ns)
+    def utimens(self, path: PathLike, mtime_ns: int | None, atime_ns: int | None = None) -> Record:
+        return self._set_attrs(path, None, mtime_ns, atime_ns=atime_ns)
+
+    # ------------------------------------------------------------ extended attributes
+
+    def getxattr(self, path: PathLike, name: bytes) -> bytes:
+        with self._lock:
+            value = (self.tree.entry(path).xattrs or {}).get(name)
+        if value is None:
+            raise NoData(f"no attribute {name!r}")
+        return value
+
+    def listxattr(self, path: PathLike) -> list[bytes]:
+        with self._lock:
+            return sorted(self.tree.entry(path).xattrs or {})
+
+    def xattrs(self, path: PathLike) -> dict[bytes, bytes]:
+        with self._lock:
+            return dict(self.tree.entry(path).xattrs or {})
+
+    def setxattr(self, path: PathLike, name: bytes, value: bytes | None) -> None:
+        """Set (or, with None, remove: ENODATA if absent) a ``user.*`` attribute."""
+        if not name.startswith(b"user.") or len(name) > XATTR_NAME_MAX:
+            raise Unsupported(f"attribute {name!r}: only user.* names are kept", errno.ENOTSUP)
+        if value is not None and len(value) > XATTR_SIZE_MAX:
+            raise Unsupported(f"attribute {name!r}: {len(value)} bytes is too big", errno.E2BIG)
+        with self._lock:
+            e = self.tree.entry(path)
+            xs = dict(e.xattrs or {})
+            if value is None:
+                if xs.pop(name, None) is None:
+                    raise NoData(f"no attribute {name!r}")
+            elif len(xs) >= XATTR_COUNT_MAX and name not in xs:
+                raise Unsupported(f"more than {XATTR_COUNT_MAX} attributes", errno.ENOSPC)
+            else:
+                xs[name] = bytes(value)
+            self._log({"o": "xattr", "k": e.k, "n": name, "v": value})
+            e.xattrs = xs or None
+            e.ctime_ns = time.time_ns()
     # ------------------------------------------------------------ export (close-to-open)
 
     def committed(self, path: PathLike) -> CommitInfo:
@@ -273,10 +362,12 @@ class WriteStore(FileStore):
     # ------------------------------------------------------------ listing for stage-out
 
     def walk(self) -> Iterator[tuple[bytes, Record, CommitInfo | None, str | None]]:
-        """Every entry below the root, parents first: (path, record, commit, data file)."""
+        """Every entry below the root, parents first: (path, record, commit, data file); a
+        file with hard links comes once per name, with the same `Record.inode`."""
         with self._lock:
-            out = [(p, self.tree.record(e), e.commit, self._data_path(e.k)
-                    if e.kind == KIND_FILE else None) for p, e in self.tree.entries()]
+            out = [(p, self.tree.record(e, p.rpartition(b"/")[2]), e.commit,
+                    self._data_path(e.k) if e.kind == KIND_FILE else None)
+                   for p, e in self.tree.entries()]
         yield from out
 
     def is_shadow(self, path: PathLike) -> bool:

@@ -3,6 +3,10 @@
 No I/O and no lock here: `WriteStore` holds the lock, writes the journal and owns the data
 files. Written inodes are ``WRITE_INODE_BASE + k`` (k >= 1; k = 0 is the written root, which
 stands for the dataset root), disjoint from dataset inodes 1..n_entries.
+
+A non-directory may have several names (hard links): its first name is ``(parent, name)``,
+the others are in ``links``; its data and attributes are the entry's, shared by every name.
+It leaves the tree when its last name goes.
 """
 
 from __future__ import annotations
@@ -65,6 +69,18 @@ class Entry:
     synced_dirent: bool = False
     target: bytes = b""  # a symlink's
     rdev: int = 0  # a device node's
+    ctime_ns: int = 0  # status change (0: as mtime_ns)
+    atime_ns: int = 0  # last access, relatime (0: as mtime_ns)
+    links: list[tuple[int, bytes]] | None = None  # (parent k, name) of its other names
+    xattrs: dict[bytes, bytes] | None = None  # user.* extended attributes
+
+    def touch(self, now: int) -> None:
+        """The bytes or the entries changed: mtime and ctime are now."""
+        self.mtime_ns = self.ctime_ns = now
+
+    def names(self) -> list[tuple[int, bytes]]:
+        """Every (parent k, name) of this entry, the first name first."""
+        return [(self.parent, self.name), *(self.links or ())]
 
     @property
     def kids(self) -> dict[bytes, int]:
@@ -161,8 +177,36 @@ class EntryTree:
         self.next_k = max(self.next_k, e.k + 1)
 
     def detach(self, parent: Entry, name: bytes) -> list[Entry]:
-        """Remove `name` from `parent` and forget it (and everything below); returns the files."""
-        return self._forget(parent.kids.pop(name))
+        """Remove `name` from `parent`; forget its entry (and everything below) if that was its
+        last name. Returns the files that left the tree."""
+        k = parent.kids.pop(name)
+        e = self.ents[k]
+        if e.links:
+            self._rename_slot(e, (parent.k, name), None)
+            e.ctime_ns = time.time_ns()  # its link count changed
+            return []
+        return self._forget(k)
+
+    def link(self, e: Entry, parent: Entry, name: bytes) -> None:
+        """Give non-directory `e` another name (the caller checked that `name` is free)."""
+        if e.kind == KIND_DIR:
+            raise IsADirectory("a directory cannot have another name")
+        if name in parent.kids:
+            raise Exists(f"{name!r} exists")
+        parent.kids[name] = e.k
+        e.links = [*(e.links or ()), (parent.k, name)]
+
+    @staticmethod
+    def _rename_slot(e: Entry, old: tuple[int, bytes], new: tuple[int, bytes] | None) -> None:
+        """Replace one of `e`'s names by `new` (None: drop it; it has another)."""
+        names = e.names()
+        i = names.index(old)
+        if new is None:
+            del names[i]
+        else:
+            names[i] = new
+        (e.parent, e.name), rest = names[0], names[1:]
+        e.links = rest or None
 
     def _forget(self, k: int) -> list[Entry]:
         e = self.ents.pop(k)
@@ -170,8 +214,8 @@ class EntryTree:
             e.unlinked = True
             return [e]
         out: list[Entry] = []
-        for c in list(e.kids.values()):
-            out += self._forget(c)
+        for name in list(e.kids):
+            out += self.detach(e, name)
         return out
 
     def check_rename(self, op: Entry, on: bytes, np_: Entry, nn: bytes) -> None:
@@ -202,35 +246,48 @@ class EntryTree:
         k = op.kids[on]
         tk = np_.kids.get(nn)
         if tk == k:
-            return []
-        gone = self._forget(tk) if tk is not None else []
+            return []  # two names of one file: rename(2) does nothing
+        gone = self.detach(np_, nn) if tk is not None else []
         del op.kids[on]
         np_.kids[nn] = k
         e = self.ents[k]
-        e.parent, e.name = np_.k, nn
-        op.mtime_ns = np_.mtime_ns = time.time_ns()
+        self._rename_slot(e, (op.k, on), (np_.k, nn))
+        now = time.time_ns()
+        op.touch(now)
+        np_.touch(now)
+        e.ctime_ns = now
         return gone
 
-    def record(self, e: Entry) -> Record:
+    def record(self, e: Entry, name: bytes | None = None) -> Record:
+        """The attributes of `e` (shown under `name`, one of its names; default its first)."""
+        name = e.name if name is None else name
+        times = {"atime_ns": e.atime_ns or e.mtime_ns, "ctime_ns": e.ctime_ns or e.mtime_ns}
         if e.kind == KIND_DIR:
             nsub = sum(1 for c in e.kids.values() if self.ents[c].kind == KIND_DIR)
-            return Record(WRITE_INODE_BASE + e.k - 1, e.name, KIND_DIR, e.mode, e.uid, e.gid,
-                          e.mtime_ns, DIR_SIZE, 0, len(e.kids), 2 + nsub)
+            return Record(WRITE_INODE_BASE + e.k - 1, name, KIND_DIR, e.mode, e.uid, e.gid,
+                          e.mtime_ns, DIR_SIZE, 0, len(e.kids), 2 + nsub, **times)
         size = len(e.target) if e.kind == KIND_LINK else e.size
-        return Record(WRITE_INODE_BASE + e.k - 1, e.name, e.kind, e.mode, e.uid, e.gid,
-                      e.mtime_ns, size, e.rdev, 0, 0 if e.unlinked else 1)
+        nlink = 0 if e.unlinked else 1 + len(e.links or ())
+        return Record(WRITE_INODE_BASE + e.k - 1, name, e.kind, e.mode, e.uid, e.gid,
+                      e.mtime_ns, size, e.rdev, 0, nlink, **times)
 
     def entries(self) -> list[tuple[bytes, Entry]]:
-        """Every entry below the root with its path, parents first (path components order)."""
+        """Every entry below the root with its path, parents first (path components order);
+        a file with several names comes once per name."""
+        return self.below(self.ents[0], b"")
+
+    def below(self, top: Entry, path: bytes) -> list[tuple[bytes, Entry]]:
+        """`entries` of the subtree under directory `top` (at `path`), `top` itself excluded."""
         out: list[tuple[bytes, Entry]] = []
-        stack = [0]
+        stack = [(top, path)]
         while stack:
-            d = self.ents[stack.pop()]
-            for k in d.kids.values():
+            d, dpath = stack.pop()
+            for name, k in d.kids.items():
                 e = self.ents[k]
-                out.append((self.path_of(e), e))
+                p = dpath + b"/" + name if dpath else name
+                out.append((p, e))
                 if e.kind == KIND_DIR:
-                    stack.append(k)
+                    stack.append((e, p))
         out.sort(key=lambda t: t[0].split(b"/"))
         return out
 
