@@ -17,7 +17,7 @@ SLURM_DEPS := $(shell [ "$$(id -u)" = 0 ] && echo --slurm)
 deps:
 	@bash scripts/install-deps.sh $(SLURM_DEPS)
 
-$(STAMP): pyproject.toml scripts/install-deps.sh $(wildcard src/fanstore_fuse/*.c src/fanstore_fuse/*.h)
+$(STAMP): pyproject.toml scripts/install-deps.sh
 	@bash scripts/install-deps.sh $(SLURM_DEPS)
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip wheel
@@ -25,7 +25,6 @@ $(STAMP): pyproject.toml scripts/install-deps.sh $(wildcard src/fanstore_fuse/*.
 	@# An editable install compiles nothing; with PYTHONDONTWRITEBYTECODE set every daemon would
 	@# then compile the package at start (~0.4 CPU s of its start-up, measured).
 	$(PY) -m compileall -q src >/dev/null
-	$(PY) scripts/check_shim.py
 	@touch $(STAMP)
 
 install: $(STAMP)
