@@ -382,7 +382,14 @@ class Node:
                     if not self._fallback:
                         raise
                     log.error("blob %d: bad local frame, fetching the whole blob", first + k)
-            parts.append((await self.cache.get(first + k))[lo:hi])
+            try:
+                parts.append((await self.cache.get(first + k))[lo:hi])
+            except ChecksumError:
+                if self.frames is None or not self.frames.usable(first + k):
+                    raise
+                # one bad frame spoils the whole blob, not the frames around it: the range
+                # asked for, frame by frame (EIO only where it covers the bad one)
+                parts.append(await self.frames.read(first + k, lo, hi))
         out = parts[0] if len(parts) == 1 else b"".join(parts)
         self.stats.reads += 1
         self.stats.read_bytes += len(out)
