@@ -9,14 +9,15 @@ Three sources, one inode space (`origin`):
 File handles: a dataset file's handle is its inode, a written file's is ``WRITE_FH`` plus the
 store's handle, a remote file's ``REMOTE_FH`` plus a counter. Without OPEN (`no_open`, the
 default with the patched pyfuse3: the kernel opens files without asking, and pyfuse3 puts the
-inode where the handle would be, `Operations.inode_fh_without_open`), requests about an open file carry its inode: a written file's go through
-one store handle per inode (`_implicit`: CREATE's, or opened at first use; closed, which commits
-and publishes, once unused for IDLE_CLOSE seconds by `run_closer` (longer for a file whose
-commits spent long hashing: at most `commit_share` of a writer's time goes to that), when the kernel
-forgets the inode, or for a live stage-out), a remote file's read the snapshot its last lookup took
-(`_remote_files`). The kernel sends no RELEASE in this mode, not even for CREATE's files. A
-committed file's first write tells the other ranks it changed (a reader's lookup then asks the
-writer, `SharedWrites.sync`), so close-to-open holds without FLUSH. The view answers lookups,
+inode where the handle would be, `Operations.inode_fh_without_open`), requests about an open
+file carry its inode: a written file's go through one store handle per inode (`_implicit`:
+CREATE's, or opened at first use; closed, which commits and publishes, once unused for
+IDLE_CLOSE seconds by `run_closer` (longer for a file whose commits spent long hashing: at most
+`commit_share` of a writer's time goes to that), when the kernel forgets the inode, or for a
+live stage-out), a remote file's read the snapshot its last lookup took (`_remote_files`). The
+kernel sends no RELEASE in this mode, not even for CREATE's files. A committed file's first
+write tells the other ranks it changed (a reader's lookup then asks the writer,
+`SharedWrites.sync`), so close-to-open holds without FLUSH. The view answers lookups,
 attributes, listings (dataset children first, then written ones the dataset does not have),
 opens, reads and writes, publishes written entries to the other ranks (create, close, rename,
 unlink), and computes the statfs figures. It raises domain errors only; `_fuse_ops` turns
