@@ -45,6 +45,7 @@ def _translate(fn: F) -> F:
 
     @functools.wraps(fn)
     async def wrapper(self: Operations, *args: Any) -> Any:
+        self.view.node.stats.requests += 1
         try:
             return await fn(self, *args)
         except FanstoreError as e:

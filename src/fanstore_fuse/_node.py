@@ -129,8 +129,10 @@ class Stats:
     bytes, and those bytes. Each blob (or frame range) a READ needs comes from the memory cache
     (`cache_hits`) or is fetched: from this node's disk, its partitions or its disk cache
     (`local_reads`, `local_bytes`, decoded), or from another rank or DEST (`remote_reads`,
-    `remote_bytes`, decoded). Read-ahead fetches count as fetches, not as reads."""
+    `remote_bytes`, decoded). Read-ahead fetches count as fetches, not as reads. `requests`:
+    FUSE requests the daemon answered (a warm epoch over cached files sends none)."""
 
+    requests: int = 0
     reads: int = 0
     read_bytes: int = 0
     local_reads: int = 0
