@@ -19,7 +19,7 @@ deps:
 
 PYFUSE3_PATCH := scripts/install-pyfuse3.sh scripts/pyfuse3/pyfuse3-3.5.0-public-api.patch
 
-$(STAMP): pyproject.toml scripts/install-deps.sh $(PYFUSE3_PATCH) $(wildcard src/fanstore_fuse/*.c src/fanstore_fuse/*.h)
+$(STAMP): pyproject.toml scripts/install-deps.sh $(PYFUSE3_PATCH)
 	@bash scripts/install-deps.sh $(SLURM_DEPS)
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip wheel
@@ -30,7 +30,6 @@ $(STAMP): pyproject.toml scripts/install-deps.sh $(PYFUSE3_PATCH) $(wildcard src
 	@# An editable install compiles nothing; with PYTHONDONTWRITEBYTECODE set every daemon would
 	@# then compile the package at start (~0.4 CPU s of its start-up, measured).
 	$(PY) -m compileall -q src >/dev/null
-	$(PY) scripts/check_shim.py
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -2,20 +2,15 @@
 
 Run: ``.venv/bin/mpiexec -n 2 .venv/bin/python -m bench._transport_bw DEST [--small N]``
 
-Both ranks compose what a mount daemon composes (`compose` over `MpiTransport` with the
-settings of the environment and those a daemon gives MPICH before `MPI_Init`,
-`mpi_env_defaults`; the same `Placement(2, 1)`, `BlobStore` over DEST's partitions, no
-FUSE) and start the C remote thread as a daemon does (`_cremote`; `FANSTORE_CREMOTE=0`: the
-Python transport; the JSON's `path` says which). Rank 0 then fetches through the rank's blob
+Both ranks compose what a mount daemon composes (`compose` over `MpiTransport`, with the
+settings a daemon gives MPICH before `MPI_Init`, `mpi_env_defaults`; the same `Placement(2, 1)`,
+`BlobStore` over DEST's partitions, no FUSE). Rank 0 then fetches through the rank's blob
 source (request, the serving rank's handler, reply, verify, decode):
 - ``small``: the blobs of at most 4 MiB that only rank 1 holds, one at a time: latency p50/p99
   and the CPU time (user+sys) of both processes per fetch;
 - ``large``: the 4 MiB blobs that only rank 1 holds, ``--window`` in flight (as the daemon's
   read-ahead keeps them), through the rank's blob source (Python's consumer: a trio task per
-  blob, the bytes decoded into a ``bytes`` object): MB/s of stored bytes;
-- ``c_large``: the same blobs fetched as READs in C fetch them (``remote_bench``: whole
-  chunks, raw frames checked where they were received, no Python per blob), same window: the
-  transport without Python's consumer.
+  blob, the bytes decoded into a ``bytes`` object): MB/s of stored bytes.
 Each phase reports, by thread of both processes, the time on a CPU and the time runnable but
 waiting for one (schedstat), per GB, beside the wall time per GB.
 Before the transport starts, in the same ranks: a raw mpi4py stream of messages of the large
@@ -44,7 +39,6 @@ from mpi4py import MPI  # noqa: E402
 from fanstore_fuse._blobstore import BlobStore  # noqa: E402
 from fanstore_fuse._cluster import thread_cpu_s  # noqa: E402
 from fanstore_fuse._compose import compose  # noqa: E402
-from fanstore_fuse._cremote import CRemote  # noqa: E402
 from fanstore_fuse._format import MANIFEST_NAME  # noqa: E402
 from fanstore_fuse._manifest import read_manifest  # noqa: E402
 from fanstore_fuse._ring import Placement  # noqa: E402
@@ -120,7 +114,6 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=4, help="large blobs in flight")
     ap.add_argument("--large-max", type=int, default=64, help="most large blobs fetched")
     ap.add_argument("--large-rounds", type=int, default=1, help="times the large blobs are fetched")
-    ap.add_argument("--no-c-large", action="store_true", help="skip `c_large` (to profile `large`)")
     a = ap.parse_args()
     comm = MPI.COMM_WORLD
     comm.Set_errhandler(MPI.ERRORS_RETURN)
@@ -142,14 +135,10 @@ def main() -> None:
         out["raw_pingpong_us"] = raw_pingpong(comm, int(np.median(stored[small])), 200)
     ctl = comm.Dup()
     store = BlobStore(m, a.dest)
-    settings = Settings.from_env()
-    parts_ = compose(m, store, a.dest, pl, rank, lambda t: MpiTransport(comm, t, settings), None,
-                     settings, warm_metadata=False)
+    parts_ = compose(m, store, a.dest, pl, rank, lambda t: MpiTransport(comm, t), None,
+                     Settings.from_env(), warm_metadata=False)
     transport, source = parts_.transport, parts_.node.source
-    # the daemon's C remote thread (`_cremote`), as a mount starts it; FANSTORE_CREMOTE=0: Python
-    assert parts_.remote is not None
-    c_remote = CRemote.start(comm, store, parts_.remote, None, 10.0)
-    out["path"] = "C" if c_remote is not None else "python"
+    out["path"] = "python"
 
     client_threads: list[dict[str, float]] = []
 
@@ -201,23 +190,7 @@ def main() -> None:
                             "MB_per_s": nbytes / dt / 1e6, "wall_ms_per_GB": dt / nbytes * 1e12,
                             "client_cpu_ms_per_GB": (cpu() - c0) / nbytes * 1e12,
                             "client_threads_ms_per_GB": per_gb(before, after, nbytes),
-                            "client_runqueue_ms_per_GB": per_gb(w0, w1, nbytes),
-                            "stats": {k: v for k, v in c_remote.shim.remote_stats().items()
-                                      if k in ("peak_in_flight", "fetched", "verified_by_worker")}
-                            if c_remote is not None else {}}
-            if c_remote is not None and not a.no_c_large:  # as READs in C fetch them: no Python per blob
-                await mark("c_start")
-                blobs = np.array(large * a.large_rounds, np.uint64)
-                owners = np.ones(len(blobs), np.int32)
-                t0, r0, w0 = time.perf_counter(), thread_cpu(), thread_cpu("wait")
-                got, failed = await trio.to_thread.run_sync(
-                    c_remote.shim.remote_bench, owners.tobytes(), blobs.tobytes(), a.window, 10.0)
-                dt = time.perf_counter() - t0
-                out["c_large"] = {"blobs": len(blobs), "window": a.window, "failed": failed,
-                                  "MB_per_s": got / dt / 1e6, "wall_ms_per_GB": dt / got * 1e12,
-                                  "client_threads_ms_per_GB": per_gb(r0, thread_cpu(), got),
-                                  "client_runqueue_ms_per_GB": per_gb(w0, thread_cpu("wait"), got)}
-                await mark("c_end")
+                            "client_runqueue_ms_per_GB": per_gb(w0, w1, nbytes)}
         await mark("done")
 
     async def mark(name: str) -> None:
@@ -242,23 +215,15 @@ def main() -> None:
     async def run() -> None:
         async with trio.open_nursery() as n:
             n.start_soon(transport.run)
-            if c_remote is not None:
-                n.start_soon(c_remote.run)
-                while not c_remote.shim.remote_stats()["ready"]:  # every rank's thread joined
-                    await trio.sleep(0.01)
             await (client() if rank == 0 else server())
             n.cancel_scope.cancel()
 
     trio.run(run)
     if rank == 1:
-        ctl.send((marks, threads, waits, c_remote.shim.remote_stats() if c_remote else {}), dest=0, tag=10)
+        ctl.send((marks, threads, waits, {}), dest=0, tag=10)
     else:
-        marks, threads, waits, sstats = ctl.recv(source=1, tag=10)
-        end = "c_start" if "c_start" in marks else "done"
-        if "c_large" in out:
-            nb = out["c_large"]["blobs"] * out["raw_message_bytes"]
-            out["c_large"]["server_threads_ms_per_GB"] = per_gb(threads["c_start"], threads["c_end"], nb)
-            out["c_large"]["server_runqueue_ms_per_GB"] = per_gb(waits["c_start"], waits["c_end"], nb)
+        marks, threads, waits, _ = ctl.recv(source=1, tag=10)
+        end = "done"
         if "large" in out:  # the server's CPU between the marks around the large phase
             gb = out["large"]["blobs"] * out["raw_message_bytes"] / 1e12
             out["large"]["server_cpu_ms_per_GB"] = (marks[end] - marks["small_end"]) / gb
@@ -266,8 +231,6 @@ def main() -> None:
             out["large"]["server_threads_ms_per_GB"] = {
                 k: round((v - t0.get(k, 0)) / gb) for k, v in t1.items() if k != "polls"}
             out["large"]["server_runqueue_ms_per_GB"] = per_gb(waits["small_end"], waits[end], gb * 1e12)
-            out["large"]["server_stats"] = {k: v for k, v in sstats.items()
-                                            if k in ("served", "served_io", "served_mapped")}
         if "small" in out:
             out["small"]["server_cpu_us"] = (marks["small_end"] - marks["small_start"]) / len(small) * 1e6
             out["small"]["cpu_us"] = out["small"]["server_cpu_us"] + out["small"]["client_cpu_us"]

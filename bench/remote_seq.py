@@ -94,12 +94,6 @@ def counts(r: dict) -> dict[str, int]:
 def one(work: str, dest: str, big: str, mib: int, env: dict[str, str], label: str) -> None:
     m = Mount(work, dest, env)
     try:
-        deadline = time.monotonic() + 60
-        while not all(r.get("c_remote", {}).get("ready") and r["c_remote"].get("reading")
-                      for r in m.status()):
-            if time.monotonic() > deadline:
-                raise SystemExit("the C remote threads never became ready")
-            time.sleep(0.1)
         pids, path = m.pids(), f"{m.mnt}/0/large.bin"
         for pas in (1, 2):
             fd = os.open(path, os.O_RDONLY)

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Install the Debian packages fanstore-fuse needs, when missing and when we may (root).
-#   install-deps.sh           fuse3, libfuse3-dev, pkg-config, libzstd-dev, libxxhash-dev,
-#                             squashfs-tools, squashfuse (and, as root, fio for bench/fio.py,
-#                             liburing-dev for bench/fuse_transport.py)
+#   install-deps.sh           fuse3, libfuse3-dev, pkg-config, squashfs-tools, squashfuse
+#                             (and, as root, fio for bench/fio.py)
 #   install-deps.sh --slurm   also slurm-wlm and munge (the test cluster, scripts/minicluster/)
 # As root, `make install` asks for --slurm too, so that CI runs the `slurm` tests; as another
 # user a missing Slurm is not an error (those tests skip and say why).
@@ -10,18 +9,12 @@ set -euo pipefail
 need=()
 command -v fusermount3 >/dev/null 2>&1 || need+=(fuse3)
 pkg-config --exists fuse3 2>/dev/null || need+=(libfuse3-dev pkg-config)
-# The C shim's reads (src/fanstore_fuse/_shim_blobs.c): zstd and xxhash headers, else pip
-# builds no shim at all (it is optional) and every request goes through Python.
-[ -e /usr/include/zstd.h ] || need+=(libzstd-dev)
-[ -e /usr/include/xxhash.h ] || need+=(libxxhash-dev)
 command -v mksquashfs >/dev/null 2>&1 || need+=(squashfs-tools)
 command -v squashfuse >/dev/null 2>&1 || need+=(squashfuse)
-# fio: bench/fio.py only; liburing-dev: bench/fuse_transport.py only (its C server). Installed
-# when we may, never a reason to fail.
+# fio: bench/fio.py only. Installed when we may, never a reason to fail.
 if ! command -v fio >/dev/null 2>&1; then
   if [ "$(id -u)" -eq 0 ]; then need+=(fio); else echo "fanstore-fuse: fio missing (bench/fio.py skips it)" >&2; fi
 fi
-if [ ! -e /usr/include/liburing.h ] && [ "$(id -u)" -eq 0 ]; then need+=(liburing-dev); fi
 if [ "${1:-}" = "--slurm" ]; then
   for t in slurmctld slurmd srun; do command -v $t >/dev/null 2>&1 || { need+=(slurm-wlm); break; }; done
   command -v munged >/dev/null 2>&1 || need+=(munge)

@@ -49,6 +49,8 @@ async def listdir(ops: Operations, ino: int, replies) -> list[bytes]:
     sent, _ = replies
     sent.clear()
     fh = await ops.opendir(ino, CTX)
+    if isinstance(fh, pyfuse3.FileInfo):  # the patched pyfuse3: a listing the kernel may cache
+        fh = fh.fh
     await ops.readdir(fh, 0, None)
     return [n for n, _, _ in sent]
 

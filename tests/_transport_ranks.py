@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import trio
 from mpi4py import rc
@@ -48,9 +49,8 @@ def compose_rank(comm, dest: str):
     parts, bpart = m.partitions, m.blobs["part"]
     pl = Placement(2, 1, is_broadcast=lambda b: parts[bpart[b]].broadcast)
     store = BlobStore(m, dest)
-    settings = Settings.from_env()
-    p = compose(m, store, dest, pl, comm.Get_rank(), lambda t: MpiTransport(comm, t, settings), None,
-                settings, warm_metadata=False)
+    p = compose(m, store, dest, pl, comm.Get_rank(), lambda t: MpiTransport(comm, t), None,
+                Settings(), warm_metadata=False)
     return m, pl, store, p
 
 
@@ -140,10 +140,11 @@ def main() -> None:
             await (client() if rank == 0 else server())
             n.cancel_scope.cancel()
 
+    t0 = time.monotonic()
     trio.run(run)
     res.update(served=t.served, served_inline=t.served_inline, served_by_io=t.served_by_io,
                bytes_received=t.bytes_received,
-               bell_wakes=t.bell_wakes, polls=t.polls)
+               polls=t.polls, seconds=time.monotonic() - t0)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
     p.close()

@@ -103,28 +103,6 @@ def test_concurrent_direct_random_reads(tmp_path: Path, state_dir: Path):
         mt.umount()
 
 
-def test_fuse_queue_sees_waiting_bytes(tmp_path: Path):
-    """`FuseQueue.waiting` polls the descriptor that leads to its device without blocking: a
-    FIFO stands in for /dev/fuse. A process without one never sees anything waiting."""
-    from fanstore_fuse._fusequeue import FuseQueue
-
-    assert FuseQueue(str(tmp_path / "nothing")).waiting() is False
-    fifo = tmp_path / "fifo"
-    os.mkfifo(fifo)
-    r = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-    w = os.open(fifo, os.O_WRONLY)
-    try:
-        q = FuseQueue(str(fifo))
-        assert q.waiting() is False
-        os.write(w, b"x")
-        assert q.waiting() is True
-        os.read(r, 1)
-        assert q.waiting() is False
-    finally:
-        os.close(w)
-        os.close(r)
-
-
 @pytest.mark.parametrize("cut_first", [True, False])
 def test_hold_readahead_either_order(tmp_path: Path, cut_first: bool):
     """The kernel's cut (INIT answered) may come before or after the daemon's task first looks:

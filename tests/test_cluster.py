@@ -161,9 +161,7 @@ def test_silent_peer_times_out_and_reads_fall_back_to_the_source(src_tree, tmp_p
         os.kill(st.pids[2], signal.SIGCONT)
     assert "did not answer" in m.log_text()
     assert "source partition" in m.log_text()
-    if status_ranks(m.status())[0]["c_remote"].get("ready"):  # the C remote thread ran
-        assert "(C): rank 2 did not answer within 2 s" in m.log_text()
-        assert status_ranks(m.status())[0]["c_remote"]["timeouts"] >= 1
+    assert status_ranks(m.status())[0]["stats"]["source_reads"] >= 1
 
 
 @pytest.mark.timeout(120)
@@ -277,8 +275,7 @@ def test_many_requests_in_flight(tmp_path, mount_factory):
     assert open_reads[1] == 64, open_reads
     ranks = status_ranks(m.status())
     assert ranks[0]["stats"]["remote_reads"] > 100
-    peak = max(ranks[0]["peak_requests_in_flight"], ranks[0]["c_remote"].get("peak_in_flight", 0))
-    assert peak >= 8, ranks[0]  # not one at a time (FanStore): the Python transport's, or C's
+    assert ranks[0]["peak_requests_in_flight"] >= 8, ranks[0]  # not one at a time (FanStore)
 
 
 @pytest.mark.timeout(180)

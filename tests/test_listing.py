@@ -1,13 +1,12 @@
-"""Listings through the C shim (issue 14): plain READDIR for `find`, full READDIRPLUS for a walk
-that stats, dataset lookups and listings answered from the manifest's columns, written entries
-still listed after the dataset's. Real mounts, compared with the source tree."""
+"""Listings: a directory of 2,500 entries listed whole, READDIRPLUS for a walk that stats (few
+LOOKUPs reach the daemon), written entries still listed after the dataset's. Real mounts,
+compared with the source tree."""
 
 from __future__ import annotations
 
 import os
 import re
 import stat
-import time
 from pathlib import Path
 
 import pytest
@@ -82,26 +81,16 @@ def _ops(m, inode: int | None = None) -> dict[str, int]:
     return {op: found.count(op) for op in set(found)}
 
 
-def _wait_for(m, text: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in m.log_text():
-        assert time.monotonic() < deadline, f"not in the log: {text}"
-        time.sleep(0.1)
-
-
 @pytest.mark.timeout(240)
-def test_find_gets_plain_readdir_walk_gets_attributes(tmp_path, state_dir, prepped):
+def test_a_walk_gets_attributes_with_the_listing(tmp_path, state_dir, prepped):
     src, dest = prepped
     with mounted(dest, tmp_path / "mnt", state_dir, local=tmp_path / "local",
                  extra_args=["--debug"]) as m:
         mp = os.fspath(m.path)
         big = os.lstat(os.path.join(mp, "big")).st_ino  # looks up a directory only
         assert sorted(os.listdir(os.path.join(mp, "big"))) == sorted(os.listdir(src / "big"))
-        _wait_for(m, "dataset lookups and listings answered by the C shim")
         ops = _ops(m, big)
-        # READDIRPLUS for the first chunk only (one entry: no file was stat'ed), the rest plain
-        assert ops.get("READDIRPLUS") == 1, ops
-        assert ops.get("READDIR", 0) >= 1, ops
+        assert ops.get("READDIRPLUS", 0) + ops.get("READDIR", 0) >= 1, ops
 
         # a walk that stats every file: after the first directory, every entry comes with its
         # attributes (all but the last of each directory), so few LOOKUPs reach the daemon
@@ -133,8 +122,7 @@ def test_listings_and_attributes_on_three_ranks(tmp_path, state_dir, prepped):
                  ranks=3) as m:
         for mp in m.mountpoints[:2]:
             _same_as_source(src, mp)
-        _wait_for(m, "dataset lookups and listings answered by the C shim")
-        # after warm-up every rank answers in C; again, on a fresh set of names
+        # again, on every rank (after warm-up every rank answers from its own map)
         for mp in m.mountpoints:
             _same_as_source(src, mp)
         with open(os.path.join(m.mountpoints[1], "walk", "d1", "late.txt"), "wb") as f:

@@ -189,18 +189,17 @@ def test_statfs_and_xattrs(src_tree: Path, dest: Path, mount_factory):
     st = json.loads(os.getxattr(m.path, "user.fanstore.status"))
     assert [r["entries"] for r in status_ranks(st)] == [man.n_entries]
     tot = status_totals(st)
-    # Reads of blobs held here are answered by the C shim (`fuse_shim`) or by Python (`stats`).
-    c_reads = sum(r["fuse_shim"].get("c_reads", 0) for r in status_ranks(st))
-    assert tot["local_reads"] + c_reads >= 3 and tot["errors"] == 0
-    # The daemon's CPU seconds by thread name: its FUSE request thread has answered requests.
+    # the 3 chunks of big.bin were fetched from the local copy; every READ counted
+    assert tot["local_reads"] >= 3 and tot["errors"] == 0
+    assert tot["read_bytes"] >= big.stat().st_size and tot["reads"] >= 1
+    # The daemon's CPU seconds by thread name: its trio thread has answered requests.
     cpu = status_ranks(st)[0]["cpu_s_by_thread"]
-    assert "fanstore-fuse0" in cpu and all(v >= 0 for v in cpu.values()), cpu
+    assert cpu.get("MainThread", 0) > 0 and all(v >= 0 for v in cpu.values()), cpu
     assert "user.fanstore.status" in os.listxattr(m.path)
     # `status` prints the same counters.
     data = m.status()
     assert status_ranks(data)[0]["entries"] == man.n_entries
-    c_bytes = sum(r["fuse_shim"].get("c_read_bytes", 0) for r in status_ranks(data))
-    assert status_totals(data)["local_bytes"] + c_bytes >= 2 * CHUNK
+    assert status_totals(data)["local_bytes"] >= 2 * CHUNK
 
 
 def test_mount_errors_are_one_line(dest: Path, tmp_path: Path, state_dir: Path, mount_factory):
@@ -505,7 +504,7 @@ def test_small_file_blob_fetched_once_per_open(tmp_path: Path, mount_factory):
     data = os.urandom(300 * 1024)
     (src / "small.bin").write_bytes(data)
     dest = prep_cli(src, tmp_path / "dest", "-p", "1")
-    m = mount_factory(dest, env={"FANSTORE_FASTREAD": "0"})  # Python's cache (C: test_fastread)
+    m = mount_factory(dest)
     before = status_totals(m.status())
     fd = os.open(m.path / "small.bin", os.O_RDONLY | os.O_DIRECT)
     buf = mmap.mmap(-1, 4096)

@@ -129,11 +129,11 @@ def test_settings_are_read_from_the_environment_once_with_clear_errors():
     from fanstore_fuse._errors import FanstoreError
     from fanstore_fuse._settings import Settings
 
-    s = Settings.from_env({"FANSTORE_CACHE_BYTES": "1048576", "FANSTORE_MPI_SEND_POLL": "1e-4",
+    s = Settings.from_env({"FANSTORE_CACHE_BYTES": "1048576", "FANSTORE_STARTUP_TIMEOUT": "1e2",
                            "FANSTORE_READAHEAD_CHUNKS": ""})
-    assert (s.cache_bytes, s.mpi_send_poll, s.readahead_chunks) == (1 << 20, 1e-4, 4)
+    assert (s.cache_bytes, s.startup_timeout, s.readahead_chunks) == (1 << 20, 100.0, 4)
     assert Settings.from_env({}) == Settings()
-    with pytest.raises(FanstoreError, match="FANSTORE_MPI_SPIN='fast' is not an integer"):
-        Settings.from_env({"FANSTORE_MPI_SPIN": "fast"})
+    with pytest.raises(FanstoreError, match="FANSTORE_READAHEAD_CHUNKS='fast' is not an integer"):
+        Settings.from_env({"FANSTORE_READAHEAD_CHUNKS": "fast"})
     with pytest.raises(FanstoreError, match="must not be negative"):
         Settings.from_env({"FANSTORE_CACHE_BYTES": "-1"})

@@ -51,7 +51,7 @@ def test_chunk_larger_than_the_cache_is_fetched_once(tmp_path: Path, mount_facto
     dest = prep_cli(tmp_path / "src", tmp_path / "dest", "-p", "2", "--chunk-mib", str(CHUNK_MIB))
     # 256 KiB of blob cache (64 KiB of frame cache): no chunk and no 128 KiB frame fits.
     # Python's read path (the C shim reads held blobs by frames and caches nothing itself).
-    m = mount_factory(dest, env={"FANSTORE_CACHE_BYTES": str(256 << 10), "FANSTORE_FASTREAD": "0"})
+    m = mount_factory(dest, env={"FANSTORE_CACHE_BYTES": str(256 << 10)})
 
     def fetches() -> int:
         return int(status_ranks(m.status())[0]["stats"]["local_reads"])

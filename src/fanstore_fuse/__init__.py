@@ -2,7 +2,6 @@
 
 from typing import TYPE_CHECKING, Any
 
-from . import _fastclose  # noqa: F401  (first: loads the FOPEN_NOFLUSH shim before pyfuse3)
 from ._errors import ChecksumError, FanstoreError, FormatError
 from ._format import FORMAT_VERSION, Manifest
 from ._manifest import read_manifest

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import trio
 
-from . import _fastopen as fastopen
 from ._blobstore import BlobStore
 from ._diskcache import DiskCache
 from ._errors import ChecksumError, FanstoreError, NotFound, PeerError
@@ -44,11 +43,6 @@ from .writes import WriteStore
 
 log = logging.getLogger("fanstore_fuse.cluster")
 
-
-def _cremote_counts() -> dict[str, int]:
-    from ._cremote import counts  # _cremote imports this module
-
-    return counts()
 
 PEER_TIMEOUT = 10.0  # seconds before a silent holder is skipped for the next replica
 SUSPECT_SECONDS = 30.0  # a peer that timed out is tried last for this long
@@ -164,11 +158,13 @@ class ClusterBlobSource:
                 log.error("blob %d from rank %d: %s; trying the next copy", blob, h, e)
                 continue
             self.stats.remote_reads += 1
-            self.stats.remote_bytes += len(resp.body)
+            self.stats.remote_bytes += len(data)
             return data
         if self.source_store is not None:
             log.warning("blob %d: no holder answered; reading the source partition", blob)
             data = await trio.to_thread.run_sync(self.source_store.raw, blob)
+            self.stats.remote_reads += 1  # not from this node's disk: DEST is remote too
+            self.stats.remote_bytes += len(data)
             self.stats.extra["source_reads"] = self.stats.extra.get("source_reads", 0) + 1
             return data
         raise ChecksumError(f"blob {blob}: no good copy on ranks {holders}")
@@ -247,7 +243,7 @@ class ClusterMetadata:
 
 def serve_handlers(
     table: HandlerTable, rank: int, node: Node, placement: Locator, store: BlobStore,
-    local_status: Callable[[], dict[str, object]], threshold: int,
+    local_status: Callable[[], dict[str, object]],
 ) -> None:
     """Register the requests a rank serves about the dataset (blobs, metadata, status)."""
     ns = node.ns
@@ -328,12 +324,6 @@ class StatusBoard:
         t = self.transport
         d: dict[str, object] = {"rank": self.rank, **self.node.local_status(), **self.held}
         d["host"] = socket.gethostname()
-        d["fuse_shim"] = fastopen.counts()
-        d["c_remote"] = c = _cremote_counts()
-        stats = d["stats"]
-        if c.get("c_reads") and isinstance(stats, dict):  # blobs fetched for READs in C count too
-            stats["remote_reads"] += c["c_reads"]
-            stats["remote_bytes"] += c["c_read_bytes"]
         if self.writes is not None:
             d["writes"] = self.writes.status()
         if self.disk_cache is not None:
@@ -344,7 +334,7 @@ class StatusBoard:
         d["requests_in_flight"] = t.requests_in_flight
         d["peak_requests_in_flight"] = t.peak_in_flight
         d["requests_served"] = t.served
-        for key in ("served_inline", "served_by_io", "bell_wakes", "polls"):  # MpiTransport only
+        for key in ("served_inline", "served_by_io", "polls"):  # MpiTransport only
             if hasattr(t, key):
                 d[f"mpi_{key}"] = getattr(t, key)
         return d

@@ -25,13 +25,12 @@ import trio
 from . import _stageout_all as stageout_all
 from ._blobstore import BlobStore
 from ._cluster import ClusterBlobSource, ClusterMetadata, StatusBoard, serve_handlers
-from ._cremote import CRemoteSource
 from ._diskcache import BLOCKED, CACHE_DIR, DiskCache, manifest_raw_digest, resolve_limit
 from ._format import Manifest
 from ._fsio import untouched_zeros
 from ._messages import HandlerTable
 from ._namespace import Namespace
-from ._node import BlobSource, LocalBlobSource, LocalMetadata, Metadata, Node, Stats
+from ._node import THREAD_THRESHOLD, BlobSource, LocalBlobSource, LocalMetadata, Metadata, Node, Stats
 from ._ring import LocalOnlyPlacement, Locator
 from ._settings import Settings
 from ._shared_writes import SharedWrites
@@ -54,11 +53,8 @@ class Parts:
     warm: Callable[[], Awaitable[None]] | None
     stores: list[BlobStore] = field(default_factory=list)  # opened here (the DEST fallback)
     disk_cache: DiskCache | None = None
-    remote: CRemoteSource | None = None  # several ranks: the C thread, once `_cremote` started it
 
     def close(self) -> None:
-        if self.remote is not None:
-            self.remote.stop()
         if self.disk_cache is not None:
             self.disk_cache.close()
         for s in self.stores:
@@ -72,8 +68,9 @@ class CachingBlobSource:
     bytes it returns are queued for the cache."""
 
     def __init__(self, inner: BlobSource, cache: DiskCache, held: Callable[[int], bool],
-                 sizes: Any, threshold: int):
+                 sizes: Any, threshold: int = THREAD_THRESHOLD, stats: Stats | None = None):
         self.inner = inner
+        self.stats = stats or Stats()  # a hit is a local read (this node's disk)
         self.cache = cache
         # Node's frame reader reads parts of held framed blobs from `local` (the cache holds
         # only blobs held elsewhere, which are fetched whole) and asks `holds`
@@ -99,6 +96,8 @@ class CachingBlobSource:
             if data is BLOCKED:
                 data = await trio.to_thread.run_sync(cache.read, blob, limiter=self._limiter)
             if isinstance(data, bytes):
+                self.stats.local_reads += 1
+                self.stats.local_bytes += len(data)
                 return data
         else:
             if self.holds(blob):
@@ -117,15 +116,12 @@ def open_disk_cache(manifest: Manifest, local_dir: str, settings: Settings) -> D
         return None
     b = manifest.blobs
     log.info("disk cache of remote blobs: %s, up to %d bytes", directory, limit)
-    cache = DiskCache(directory, limit, b["raw"], raw_digest=manifest_raw_digest(b))
-    if settings.cache_c:  # the shim's READ path reads cached blobs itself (FANSTORE_CACHE_C)
-        cache.serve_in_c()
-    return cache
+    return DiskCache(directory, limit, b["raw"], raw_digest=manifest_raw_digest(b))
 
 
-def open_transport(comm: Any, table: HandlerTable, settings: Settings) -> Transport:
+def open_transport(comm: Any, table: HandlerTable) -> Transport:
     """The transport of this rank: over MPI when the communicator has other ranks."""
-    return NoPeers() if comm.Get_size() == 1 else MpiTransport(comm, table, settings)
+    return NoPeers() if comm.Get_size() == 1 else MpiTransport(comm, table)
 
 
 def compose(
@@ -159,29 +155,24 @@ def compose(
         parts_stores.append(source_store)
     table = HandlerTable()
     transport = connect(table)
-    local = LocalBlobSource(store, stats, settings.thread_threshold)
+    local = LocalBlobSource(store, stats)
     cluster = ClusterBlobSource(rank, placement, local, source_store, transport, stats,
                                 peer_timeout)
     source: BlobSource = cluster
-    remote: CRemoteSource | None = None
-    if placement.nranks > 1:
-        source = remote = CRemoteSource(cluster)
     disk_cache = None
     if placement.nranks > 1 and cache_dir is not None:
         disk_cache = open_disk_cache(manifest, cache_dir, settings)
     if disk_cache is not None:
-        source = CachingBlobSource(source, disk_cache, cluster.holds,
-                                   manifest.blobs["raw"], settings.thread_threshold)
+        source = CachingBlobSource(source, disk_cache, cluster.holds, manifest.blobs["raw"],
+                                   stats=stats)
     # With one rank every path is owned here: LocalMetadata gives ClusterMetadata's answers
     # without computing an owner per record (measured: ~4 us CPU less per lookup/getattr).
     meta: Metadata = LocalMetadata(ns)
     if placement.nranks > 1:
         meta = cluster_meta = ClusterMetadata(rank, ns, placement, transport, stats, peer_timeout)
     node = Node(ns, source, stats, settings.cache_bytes, settings.readahead_chunks, meta=meta)
-    if remote is not None:  # READs in C read ahead what they will answer
-        node.ahead_in_c = remote.ahead_in_c
     board = StatusBoard(rank, placement.nranks, node, transport, writes, held or {}, disk_cache)
-    serve_handlers(table, rank, node, placement, store, board.local, settings.thread_threshold)
+    serve_handlers(table, rank, node, placement, store, board.local)
     shared = None
     if writes is not None:
         shared = SharedWrites(rank, placement, transport, writes, peer_timeout)
@@ -196,4 +187,4 @@ def compose(
             n = await cluster_meta.warm(placement.nranks)
             log.info("rank %d warmed %d metadata records", rank, n)
 
-    return Parts(view, node, transport, warm, parts_stores, disk_cache, remote)
+    return Parts(view, node, transport, warm, parts_stores, disk_cache)

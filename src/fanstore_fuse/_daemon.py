@@ -19,15 +19,11 @@ from typing import Any, TypedDict
 import pyfuse3
 import trio
 
-from . import _fastopen as fastopen
-from . import _fastread as fastread
 from ._blobstore import BlobStore
 from ._compose import Parts, compose, open_transport
-from ._cremote import CRemote
 from ._errors import FanstoreError
-from ._fastclose import enable_noflush, patched_sessions
 from ._fsio import atomic_write
-from ._fuse_ops import Operations
+from ._fuse_ops import PATCHED, Operations
 from ._fuseaccess import fuse_access_problem, mount_failure
 from ._launch import world_error
 from ._mountctl import (
@@ -40,12 +36,12 @@ from ._mountctl import (
     remove_local_dir,
     state_dir,
 )
-from ._readahead import enable_fuse_uring, hold_readahead, set_readahead
+from ._readahead import hold_readahead, set_readahead
 from ._settings import Settings
 from ._stageout_all import StopRequest, serve_requests
 from ._startup import Exchange, MappedPages, PeerFailed, Phases, Staged, stage
 from ._transport import Transport, mpi_env_defaults, unlink_shared_segments
-from ._view import ENTRY_TIMEOUT, MountView
+from ._view import MountView
 from .writes import WriteStore
 
 log = logging.getLogger("fanstore_fuse.daemon")
@@ -184,31 +180,26 @@ def _setup(cfg: MountConfig, rank: int, nranks: int, m: _Mounted, exchange: Exch
     return staged
 
 
-def _mount(cfg: MountConfig, m: _Mounted, view: MountView, settings: Settings) -> None:
+NO_PATCH = ("pyfuse3 without the fanstore patch (install it with scripts/install-pyfuse3.sh): "
+            "files are opened through the daemon, every open and close costs a request, "
+            "reads of small files are slower")
+
+
+def _mount(cfg: MountConfig, m: _Mounted, view: MountView) -> None:
     opts = fuse_options(cfg)
     if cfg.debug:
         opts.add("debug")
-    view.no_open = bool(settings.no_open) and fastopen.no_open()  # before any OPEN comes
-    view.commit_share = settings.commit_share
-    if cfg.writable and settings.noflush and not view.no_open:  # read-only: FLUSH is ENOSYS
-        enable_noflush()
-    fast_open = settings.fast_open and fastopen.enable(view.node.ns, ENTRY_TIMEOUT,
-                                                       settings.fuse_linger_us,
-                                                       settings.fuse_trio_total_us,
-                                                       settings.fuse_threads)
-    if settings.fuse_uring and fast_open and settings.fuse_threads > 0:
-        enable_fuse_uring()  # the shim (FANSTORE_FUSE_URING in its environment) asks at INIT
-    if settings.fast_read and m.store is not None:  # READs held here in C (Operations.init starts)
-        fastread.enable(view.node.ns, m.store, settings.fast_read_threads, settings.fast_read_inline,
-                        settings.cache_bytes if settings.frame_cache_c else 0,
-                        bool(settings.frame_push), bool(settings.subblock_cache))
+    # before any OPEN comes: with the patched pyfuse3 the first OPEN is answered ENOSYS and the
+    # kernel opens files without asking from then on (`MountView`, "no_open")
+    view.no_open = PATCHED
+    if not PATCHED:
+        log.warning("%s", NO_PATCH)
     try:
         pyfuse3.init(Operations(view), m.mountpoint, opts)
     except RuntimeError as e:
         raise FanstoreError(mount_failure(str(e), opts)) from None
     m.mounted = True
-    log.info("FUSE operations patched by the C shim: %s; dataset opens in C: %s; no OPEN: %s",
-             patched_sessions() > 0, bool(fast_open), view.no_open)
+    log.info("files open without OPEN: %s", view.no_open)
     set_readahead(m.mountpoint, cfg.readahead_kb)
 
 
@@ -302,13 +293,13 @@ def serve(cfg: MountConfig) -> int:
 
         def connect(table: Any) -> Transport:
             stop.register(table)  # `umount` on another node ends this one too
-            return open_transport(comm, table, settings)
+            return open_transport(comm, table)
 
         m.parts = compose(ready.manifest, ready.store, cfg.dest, ready.placement, rank, connect,
                           m.writes, settings, m.held, cfg.peer_timeout, cfg.warm_metadata,
                           cache_dir=m.local)
         m.clock("compose")
-        _mount(cfg, m, m.parts.view, settings)
+        _mount(cfg, m, m.parts.view)
         m.clock("fuse init")
     except PeerFailed:
         pass  # the rank that failed says why in the allgather below
@@ -377,10 +368,6 @@ def serve(cfg: MountConfig) -> int:
         side.append(functools.partial(_prime_no_open, m.mountpoint, m.parts.view))
         if cfg.writable:
             side.append(m.parts.view.run_closer)  # no RELEASE: written files commit when idle
-    if m.parts.remote is not None:  # every rank gets here, or none: the allgather said so
-        c = CRemote.start(comm, ready.store, m.parts.remote, m.parts.disk_cache, cfg.peer_timeout)
-        if c is not None:
-            side.append(c.run)
     if nranks > 1:
         mine = {i["rank"] for i in here}
         others = [r for r in range(nranks) if r not in mine]

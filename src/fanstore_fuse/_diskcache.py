@@ -22,11 +22,6 @@ long as its daemon; `umount` removes it with the local dir.
   is done, so an fd is never reused under a reader.
 - **Eviction** is FIFO by segment: when the cache is over its limit the oldest segment file
   goes, with every entry in it (an epoch reads everything once, so age is as good as recency).
-- **C reads** (`serve_in_c`, `FANSTORE_CACHE_C`): the `_noflush` shim's READ path reads and
-  verifies entries itself (`_shim_cache.c`, its own fds opened by segment name) from the same
-  index; evictions are passed on (`cache_evicted`) so it closes their fds. It only reads the
-  index; anything it cannot verify comes here (`read` drops it, the caller refetches). Its hits
-  are counted by the shim (`c_counts`) and included in `status()`'s `hits` (`c_hits` of them).
 - **Disk full / I/O errors** on a write never fail a read: ENOSPC or EDQUOT shrinks the limit to
   what the cache holds (logged once; off when that is under one segment), any other error turns
   the cache off. The reader already has its bytes.
@@ -47,7 +42,6 @@ from typing import Any, Final
 
 import numpy as np
 
-from . import _fastclose
 from ._errors import FanstoreError
 from ._format import CODEC_FRAMED, checksum
 from ._fsio import CachedReads, untouched_zeros
@@ -100,25 +94,6 @@ def segment_bytes_for(limit: int) -> int:
     """Segments of 1/16 of the cache, between 1 MiB and 256 MiB, never over the limit (FIFO
     eviction granularity)."""
     return max(1, min(limit, max(1 << 20, min(256 << 20, limit // 16))))
-
-
-def _c_shim() -> Any:
-    """The `_noflush` shim when it can read the cache in C, else None."""
-    shim = _fastclose._shim
-    return shim if shim is not None and hasattr(shim, "hold_cache") else None
-
-
-_c_holder: list[DiskCache] = []  # the one cache the shim reads, if any
-
-
-def c_counts() -> dict[str, int]:
-    """Reads of disk-cache entries answered by the shim in this process (`fuse_shim`): hits,
-    their bytes, fallbacks to Python, cold entries read with O_DIRECT, and nowait reads refused
-    by the residency check (`_shim_cache.c`)."""
-    shim = _c_shim()
-    counts = shim.cache_counts() if shim is not None else (0,) * 5
-    return dict(zip(("c_cache_hits", "c_cache_bytes", "c_cache_fallbacks", "c_cache_direct",
-                     "c_cache_gated"), map(int, counts)))
 
 
 def _clear(directory: str) -> None:
@@ -187,8 +162,6 @@ class DiskCache:
         self._idle = threading.Event()
         self._idle.set()
         self._thread: threading.Thread | None = None
-        self._c: Any = None  # the shim while it reads this cache (serve_in_c)
-        self._c_base = self._c_hits = 0  # the shim's hit count then; its hits here after
         if not self.disabled:
             try:
                 _clear(directory)
@@ -199,24 +172,6 @@ class DiskCache:
             self._thread = threading.Thread(target=self._writer, name="fanstore-diskcache",
                                             daemon=True)
             self._thread.start()
-
-    def serve_in_c(self) -> bool:
-        """Let the shim's READ path read this cache's entries in C (module docstring); False
-        when the shim is absent, the cache off, or `sizes` not a uint32 buffer (one log line)."""
-        shim = _c_shim()
-        if shim is None or self.disabled:
-            return False
-        try:
-            shim.hold_cache(self._loc, self._sizes, self.dir)
-        except (ValueError, TypeError, BufferError, OSError) as err:
-            log.warning("disk cache read through Python: %s", err)
-            return False
-        for previous in _c_holder:  # the shim reads one cache: the previous one stops telling it
-            previous._stop_c()
-        self._c_base = int(shim.cache_counts()[0])
-        self._c = shim
-        _c_holder[:] = [self]
-        return True
 
     # ------------------------------------------------------------ reads
 
@@ -432,9 +387,6 @@ class DiskCache:
                 seg.doomed = True
                 if seg.pins == 0:
                     os.close(seg.fd)
-            shim = self._c
-            if shim is not None:  # before the unlink: C never opens it again
-                shim.cache_evicted(number)
             try:
                 os.unlink(seg.path)
             except OSError as e:
@@ -443,11 +395,8 @@ class DiskCache:
     # ------------------------------------------------------------ status, close
 
     def status(self) -> dict[str, int]:
-        """Counters; `hits` counts the shim's reads of this cache too (`c_hits` of them)."""
-        shim = self._c
-        c_hits = int(shim.cache_counts()[0]) - self._c_base if shim is not None else self._c_hits
-        return {"bytes": self.bytes, "entries": self.entries, "hits": self.hits + c_hits,
-                "c_hits": c_hits,
+        """Counters: `hits` and `misses` count every read of a blob this rank does not hold."""
+        return {"bytes": self.bytes, "entries": self.entries, "hits": self.hits,
                 "misses": self.misses, "evictions": self.evictions, "corrupt": self.corrupt,
                 "skipped": self.skipped, "written": self.written, "limit": self.limit,
                 "disabled": int(self.disabled)}
@@ -460,14 +409,3 @@ class DiskCache:
             self._thread.join(timeout=10)
             self._thread = None
         self._evict(-1)
-        if self._c is not None:  # the cache the shim reads
-            self._c.drop_cache()
-            _c_holder.clear()
-        self._stop_c()
-
-    def _stop_c(self) -> None:
-        """The shim no longer reads this cache: keep the count of its hits here."""
-        shim = self._c
-        if shim is not None:
-            self._c_hits = int(shim.cache_counts()[0]) - self._c_base
-        self._c = None

@@ -3,6 +3,13 @@
 Each handler unpacks a request, calls the view and packs the answer (`EntryAttributes`,
 `FileInfo`, `StatvfsData`). Domain errors become `FUSEError(errno)` in `_translate` and
 nowhere else; no other exception leaves a handler.
+
+Three libfuse features pyfuse3 3.5 does not expose are added by the pyfuse3 patch that
+`scripts/install-pyfuse3.sh` applies at install (docs/architecture.md, "pyfuse3"):
+`FileInfo(noflush=..., cache_readdir=...)`, an opendir that returns a `FileInfo`, and
+`Operations.inode_fh_without_open` (requests about files opened without OPEN carry the inode
+as handle). `PATCHED` says whether the installed pyfuse3 has them; without them the mount
+answers OPEN normally (every open and close costs the daemon a request).
 """
 
 from __future__ import annotations
@@ -10,17 +17,16 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import os
 import stat
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar, cast
 
 import pyfuse3
 
-from . import _cremote, _fastopen, _fastread
 from ._errors import FanstoreError, InvalidArgument
-from ._fastclose import PLAIN_FH, cache_listing, plain_entries, root_owner, serve_dataset
 from ._namespace import Record
-from ._view import ENTRY_TIMEOUT, MountView
+from ._view import MountView
 
 log = logging.getLogger("fanstore_fuse.fuse")
 
@@ -30,8 +36,6 @@ _QUIET = {errno.ENOENT, errno.ENODATA, errno.EROFS, errno.EEXIST, errno.ENOTEMPT
 
 F = TypeVar("F", bound=Callable[..., Coroutine[Any, Any, Any]])
 FIRST_BATCH = 32  # entries built for the first part of one readdir request (grows if they fit)
-PLAIN_BATCH = 128  # the same for a plain READDIR request (~85 entries of ~20-byte names a page)
-PLUS_MAX = 1  # entries of a READDIRPLUS reply of the C shim while no file is stat'ed (0: all)
 FILE_BLKSIZE = 1 << 17
 DIR_BLKSIZE = 1 << 20  # glibc's readdir reads st_blksize bytes at a time (up to 1 MiB)
 
@@ -41,6 +45,7 @@ def _translate(fn: F) -> F:
 
     @functools.wraps(fn)
     async def wrapper(self: Operations, *args: Any) -> Any:
+        self.view.node.stats.requests += 1
         try:
             return await fn(self, *args)
         except FanstoreError as e:
@@ -54,31 +59,30 @@ def _translate(fn: F) -> F:
     return cast(F, wrapper)
 
 
+def patched(ops: type = pyfuse3.Operations) -> bool:
+    """The installed pyfuse3 carries the patch (module docstring): files can be served
+    without OPEN, and FileInfo takes noflush and cache_readdir."""
+    return hasattr(ops, "inode_fh_without_open")
+
+
+PATCHED = patched()
+
+
 class Operations(pyfuse3.Operations):
     supports_dot_lookup = True
     enable_writeback_cache = False
     enable_acl = False
+    # The patched pyfuse3 (module docstring): after OPEN answered ENOSYS (`MountView.no_open`)
+    # requests about files the kernel opened without OPEN carry the inode as `fh`, which is
+    # what `MountView` expects; and no FUSE_CAP_ATOMIC_O_TRUNC, since without OPEN the kernel
+    # would never pass O_TRUNC on (it sends a SETATTR of size 0 instead). An unpatched pyfuse3
+    # ignores both, and the daemon answers OPEN there.
+    inode_fh_without_open = True
+    enable_atomic_o_trunc = False
 
     def __init__(self, view: MountView):
         super().__init__()
         self.view = view
-        self._in_c = False  # dataset lookups and listings answered by the C shim
-        root_owner(view.root_owner)  # the C answers' root as _attr's
-
-    def init(self) -> None:
-        """pyfuse3 calls it in the trio run before the first request: the C shim's READs (when
-        `_fastread.enable`d) start here, with `read` as their fallback, and its request loop
-        learns when trio has work (`_fastopen.linger_with_trio`)."""
-        _fastread.start(self.read)
-        _cremote.start_reads(self.read)  # READs of blobs held elsewhere, when the C thread runs
-        _fastopen.linger_with_trio()
-
-    def _hand_to_c(self) -> None:
-        """Once the dataset's metadata is answered from the local map (at once on one rank,
-        after warm-up on several), the shim answers dataset lookups and listings itself."""
-        if not self._in_c and getattr(self.view.node.meta, "local", True):
-            serve_dataset(self.view.node.ns.m, ENTRY_TIMEOUT, PLUS_MAX)
-            self._in_c = True  # asked once: a refusal is logged, and stands
 
     def _attr(self, r: Record) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
@@ -101,7 +105,6 @@ class Operations(pyfuse3.Operations):
 
     @_translate
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext):
-        self._hand_to_c()
         return self._attr(await self.view.lookup(parent_inode, name))
 
     @_translate
@@ -124,17 +127,16 @@ class Operations(pyfuse3.Operations):
     # ------------------------------------------------------------ directories
 
     @_translate
-    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
-        self._hand_to_c()
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> Any:
         fh = await self.view.opendir(inode)
-        if await self.view.listing_fixed(inode):
-            cache_listing(fh)  # last, right before the reply: the shim marks the next reply only
+        if PATCHED and await self.view.listing_fixed(inode):
+            # the kernel keeps this listing in its page cache and lists the directory from
+            # there until an opendir answered without these flags drops it
+            return pyfuse3.FileInfo(fh=fh, cache_readdir=True, keep_cache=True)  # type: ignore[call-arg]
         return fh
 
     @_translate
     async def readdir(self, fh: int, start_id: int, token) -> None:
-        if fh & PLAIN_FH:
-            return await self._readdir_plain(fh & ~PLAIN_FH, start_id, token)
         pos = start_id
         more = True
         limit = FIRST_BATCH  # a READDIRPLUS buffer holds ~20 entries: build no more than fit
@@ -148,29 +150,6 @@ class Operations(pyfuse3.Operations):
                     return
             limit = min(4 * limit, 1024)
 
-    async def _readdir_plain(self, fh: int, start_id: int, token) -> None:
-        """A READDIR request (see _shim_readdir.c): only each entry's inode and type are
-        written, so one EntryAttributes serves the whole request."""
-        a = pyfuse3.EntryAttributes()
-        pos = start_id
-        more = True
-        limit = PLAIN_BATCH
-        while more:
-            batch, more = await self.view.listing(fh, pos, limit)
-            if not batch:
-                return
-            plain_entries(True)
-            try:
-                for r in batch:
-                    pos += 1
-                    a.st_ino = r.inode
-                    a.st_mode = r.mode
-                    if not pyfuse3.readdir_reply(token, r.name, a, pos):
-                        return
-            finally:
-                plain_entries(False)
-            limit = min(4 * limit, 1024)
-
     async def releasedir(self, fh: int) -> None:
         return None
 
@@ -179,6 +158,10 @@ class Operations(pyfuse3.Operations):
     @_translate
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext):
         fh, keep = await self.view.open(inode, flags)
+        if PATCHED and self.view.writable and flags & os.O_ACCMODE == os.O_RDONLY:
+            # nothing to commit at close: no FLUSH round trip (read-only mounts answer FLUSH
+            # with ENOSYS once, which turns it off for good)
+            return pyfuse3.FileInfo(fh=fh, keep_cache=keep, noflush=True)  # type: ignore[call-arg]
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
 
     @_translate

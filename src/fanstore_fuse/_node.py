@@ -20,7 +20,6 @@ import trio
 from ._blobcodec import FrameTable
 from ._blobstore import BlobStore
 from ._errors import ChecksumError, FanstoreError
-from ._fusequeue import FUSE_QUEUE
 from ._namespace import Namespace, Record
 from ._settings import Settings
 from ._workers import WORKERS
@@ -29,6 +28,14 @@ log = logging.getLogger("fanstore_fuse.node")
 
 _DEFAULT = Settings()  # the daemon passes its own (read from the environment once)
 INLINE_COLD = 64 << 10  # a cold frame read this small runs inline when no other waits
+# Blobs from this size on are read and decoded in a worker thread: below it a pread + decode +
+# xxh3 takes less CPU inline (~50-100 us) than the two thread switches of an offload, above it
+# the trio thread would stall every other request for a millisecond or more.
+THREAD_THRESHOLD = 256 << 10
+# Decoded zstd frames kept for partial reads of framed blobs (`_frameread`), beside the blob
+# cache that FANSTORE_CACHE_BYTES sizes: 512 frames of 128 KiB, the working set of a few
+# random readers of large files; a sequential reader takes whole blobs into the blob cache.
+FRAME_CACHE_BYTES = 64 << 20
 T = TypeVar("T")
 
 
@@ -41,7 +48,7 @@ class BlobSource(Protocol):
 class LocalBlobSource:
     """Blobs from this node's partition files; big ones decoded in a worker thread."""
 
-    def __init__(self, store: BlobStore, stats: Stats, threshold: int = _DEFAULT.thread_threshold):
+    def __init__(self, store: BlobStore, stats: Stats, threshold: int = THREAD_THRESHOLD):
         self.store = store
         self.stats = stats
         self.threshold = threshold
@@ -69,12 +76,11 @@ class LocalBlobSource:
         return t
 
     def _inline(self, n: int) -> bool:
-        """A cold read of `n` stored bytes runs inline: it is small, and nothing else waits on
-        the disk or in the FUSE queue. Inline, a cold 16 KiB pread (or one 128 KiB frame's
-        pread and decode) costs less than a thread hop (docs/performance.md, "Random access");
-        with requests queued, a worker lets the loop take the next one and their disk reads
-        overlap (`_fusequeue`)."""
-        return n <= INLINE_COLD and not self._busy and not FUSE_QUEUE.waiting()
+        """A cold read of `n` stored bytes runs inline: it is small, and no other frame read
+        waits on the disk in a worker. Inline, a cold 16 KiB pread (or one 128 KiB frame's
+        pread and decode) costs less than a thread hop; once one read waits in a worker, the
+        next go there too, so that concurrent readers' disk reads overlap."""
+        return n <= INLINE_COLD and not self._busy
 
     async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
         self._busy += 1
@@ -119,6 +125,16 @@ class LocalBlobSource:
 
 @dataclass
 class Stats:
+    """A rank's read counters (`status`). `reads`/`read_bytes`: READs of dataset files answered with
+    bytes, and those bytes. Each blob (or frame range) a READ needs comes from the memory cache
+    (`cache_hits`) or is fetched: from this node's disk, its partitions or its disk cache
+    (`local_reads`, `local_bytes`, decoded), or from another rank or DEST (`remote_reads`,
+    `remote_bytes`, decoded). Read-ahead fetches count as fetches, not as reads. `requests`:
+    FUSE requests the daemon answered (a warm epoch over cached files sends none)."""
+
+    requests: int = 0
+    reads: int = 0
+    read_bytes: int = 0
     local_reads: int = 0
     local_bytes: int = 0
     remote_reads: int = 0
@@ -297,9 +313,6 @@ class Node:
         self.cache = BlobCache(source.fetch, self.stats, cache_bytes)  # type: ignore[arg-type]
         self.chunk = int(ns.m.options.get("chunk_size", 4 << 20))
         self.readahead = readahead
-        # a blob READs in C fetch ahead themselves (`CRemoteSource.ahead_in_c`): not read
-        # ahead here too
-        self.ahead_in_c: Callable[[int], bool] | None = None
         self._nursery: trio.Nursery | None = None
         # Partial reads of framed blobs held on this node (see _frameread.py); a cluster
         # source lends its local source and says which blobs this rank holds.
@@ -309,7 +322,7 @@ class Node:
             from ._frameread import FrameReader
 
             self.frames = FrameReader(
-                local, ns.m.blobs["codec"], self.stats, cache_bytes // 4,
+                local, ns.m.blobs["codec"], self.stats, FRAME_CACHE_BYTES,
                 holds=getattr(source, "holds", None),
             )
         self._fallback = local is not source  # another copy may exist: retry whole blobs
@@ -371,16 +384,23 @@ class Node:
                     if not self._fallback:
                         raise
                     log.error("blob %d: bad local frame, fetching the whole blob", first + k)
-            parts.append((await self.cache.get(first + k))[lo:hi])
+            try:
+                parts.append((await self.cache.get(first + k))[lo:hi])
+            except ChecksumError:
+                if self.frames is None or not self.frames.usable(first + k):
+                    raise
+                # one bad frame spoils the whole blob, not the frames around it: the range
+                # asked for, frame by frame (EIO only where it covers the bad one)
+                parts.append(await self.frames.read(first + k, lo, hi))
         out = parts[0] if len(parts) == 1 else b"".join(parts)
+        self.stats.reads += 1
+        self.stats.read_bytes += len(out)
         # read-ahead only what the cache holds beside the chunk being read: more would evict
         # the reader's own chunk (none when a chunk alone exceeds the cache)
         ahead = min(self.readahead, self.cache.limit // chunk - 1)
         if self._nursery is not None and ahead > 0 and rec.count > 1:
-            in_c = self.ahead_in_c
             for b in range(first + k1 + 1, first + min(rec.count, k1 + 1 + ahead)):
-                if not (self.cache.peek(b) or (frames and frames.usable(b))
-                        or (in_c is not None and in_c(b))):
+                if not (self.cache.peek(b) or (frames and frames.usable(b))):
                     self._nursery.start_soon(self._prefetch, b)
         return out
 

@@ -75,23 +75,3 @@ async def hold_readahead(
     if _read(path) != kb and _write(path, kb):
         log.info("read-ahead of %s set to %d KiB after INIT", mountpoint, kb)
 
-
-ENABLE_URING = "/sys/module/fuse/parameters/enable_uring"
-
-
-def enable_fuse_uring(path: str = ENABLE_URING) -> bool:
-    """Let FUSE servers of this node ask for FUSE over io_uring (`FANSTORE_FUSE_URING=1`): the
-    fuse module's `enable_uring` (Linux 6.14+) turned on; the C shim (`_shim_uring.c`) then asks
-    for it in its INIT reply. It only allows: servers that do not ask keep /dev/fuse. True when
-    it is on; else one log line (older kernel, not root) and requests stay on /dev/fuse."""
-    try:
-        with open(path) as f:
-            if f.read().strip() in ("Y", "1"):
-                return True
-        with open(path, "w") as out:
-            out.write("1")
-    except OSError as e:
-        log.info("FUSE over io_uring not available (%s): requests stay on /dev/fuse", e)
-        return False
-    log.info("FUSE over io_uring enabled for this node (%s)", path)
-    return True

@@ -1,37 +1,27 @@
-"""Tuning knobs of a mount daemon, read from the environment once, when the daemon starts.
+"""Every environment setting of fanstore-fuse: one `Settings` object, one row each in the
+README's tuning table. Anything else a daemon could tune is a constant in its module, with a
+comment that says why the value.
 
 | variable | default | what |
 |---|---|---|
-| `FANSTORE_CACHE_BYTES` | 268435456 (256 MiB) | decoded blobs kept (`BlobCache`; + the last 2 bigger) |
-| `FANSTORE_THREAD_THRESHOLD` | 262144 (256 KiB) | blobs from this size on are decoded in a worker thread |
-| `FANSTORE_READAHEAD_CHUNKS` | 4 | chunks fetched ahead of a sequential reader |
-| `FANSTORE_MPI_SPIN` | 0 | `sleep(0)` polls of the MPI thread before it backs off |
-| `FANSTORE_MPI_MAX_SLEEP` | 0.001 | longest poll interval (s) of the MPI thread while recently busy |
-| `FANSTORE_MPI_SEND_POLL` | 2e-05 | first poll interval (s) while a send is pending |
-| `FANSTORE_NOFLUSH` | 1 | writable mount: open read-only files with FOPEN_NOFLUSH (0: flush every close) |
-| `FANSTORE_NO_OPEN` | 1 | files open without OPEN, RELEASE or FLUSH (kernel no_open; C shim; 0: off) |
-| `FANSTORE_COMMIT_SHARE` | 0.05 | no_open: idle wait before a commit, at least last hash s / this |
-| `FANSTORE_FASTOPEN` | 1 | answer OPEN/RELEASE of dataset files in the C shim (0: in Python) |
-| `FANSTORE_FASTREAD` | 1 | answer READ of dataset files held here in the C shim (0: in Python) |
-| `FANSTORE_FASTREAD_THREADS` | 16 | the C shim's reader threads |
-| `FANSTORE_FASTREAD_INLINE` | 131072 | C READs this small first tried from the page cache inline (0: never) |
-| `FANSTORE_FUSE_LINGER_US` | 200 | after a request answered in C, wait for the next (us; 0: back to trio) |
-| `FANSTORE_FUSE_TRIO_TOTAL_US` | 5000 | while trio idles, answer in C at most this long before it runs (us) |
-| `FANSTORE_FUSE_THREADS` | 1 | C threads reading /dev/fuse for the shim (0: pyfuse3 reads it) |
-| `FANSTORE_FUSE_URING` | 0 | 1: FUSE requests over io_uring where the kernel has it (Linux 6.14+) |
-| `FANSTORE_MPI_REPLY_POLL` | 2e-05 | first poll interval (s) while replies are due (0: idle backoff) |
-| `FANSTORE_MPI_BACKOFF` | 2.0 | growth of the MPI thread's poll interval while nothing arrives (1: fixed) |
-| `FANSTORE_MPI_DOORBELL` | 1 | a UDP doorbell rung with each frame sent wakes the peer (0: poll only) |
-| `FANSTORE_MPI_BELL_IDLE` | 0.05 | longest idle sleep (s) of the MPI threads with doorbells (else 0.005) |
-| `FANSTORE_MPI_INLINE` | 1 | serve blob requests on the MPI thread (0: as trio tasks, the old path) |
+| `FANSTORE_STATE_DIR` | `$XDG_RUNTIME_DIR/fanstore-fuse` | per-user mount state (pids, mountpoints) |
+| `FANSTORE_CACHE_BYTES` | 256 MiB | decoded blobs kept in the daemon's memory (`BlobCache`) |
 | `FANSTORE_CACHE_SIZE` | 50% | disk cache of remote blobs (`--cache-size`): `10G`, `50%` of free, `0` off |
-| `FANSTORE_CACHE_C` | 1 | the C shim's READ path reads blobs of the disk cache itself (0: through Python) |
-| `FANSTORE_FRAME_CACHE_C` | 1 | the C shim keeps decoded zstd frames, up to `FANSTORE_CACHE_BYTES` (0: off) |
-| `FANSTORE_SUBBLOCK_CACHE` | 1 | that cache keeps raw 16 KiB sub-blocks read in part too (0: not) |
-| `FANSTORE_FRAME_PUSH` | 1 | frames partly read (buffered) pushed into the kernel's page cache (0: not) |
+| `FANSTORE_READAHEAD_CHUNKS` | 4 | chunks fetched ahead of a sequential reader |
+| `FANSTORE_STARTUP_TIMEOUT` | 120 | seconds a multi-rank start may take before `mount` fails |
+| `FANSTORE_PROLOG_TIMEOUT` | 300 | seconds a Slurm prolog mount may take |
+| `FANSTORE_JOB_DIR` | `/var/lib/fanstore-fuse/jobs` | prolog mode: root's job records |
+| `FANSTORE_RENDEZVOUS_DIR` | (none) | prolog mode: shared dir where node daemons meet |
+| `FANSTORE_MOUNT_BASE` | `/tmp` | prolog mode: where the job's mountpoint is made |
+| `FANSTORE_LOCAL_BASE` | `/tmp` | prolog mode: where the node-local copy is made |
+| `FANSTORE_SRUN_MPI` | `$SLURM_MPI_TYPE`, else pmi2 | srun's `--mpi` plugin for the daemons |
+| `FANSTORE_TENSORIO_TOOL` | (measured) | tensor I/O: force one transfer tool |
+| `FANSTORE_TENSORIO_DB` | `~/.cache/...` | tensor I/O: the selector's measurements |
 
 The daemon builds one `Settings` (`Settings.from_env()`) and hands it to what it composes;
-library code never reads the environment for these. A bad value is a one-line error.
+library code never reads the environment for these. The launcher, prolog and tensor I/O read
+their own rows where they run (`_launch`, `_slurmjob`, `tensorio`) under the names listed here
+(`ENV`); `tests/test_node.py` checks that src/ names no other. A bad value is a one-line error.
 """
 
 from __future__ import annotations
@@ -42,34 +32,20 @@ from dataclasses import dataclass, fields
 
 from ._errors import FanstoreError
 
-_ENV = {
+ENV = {
+    "state_dir": "FANSTORE_STATE_DIR",
     "cache_bytes": "FANSTORE_CACHE_BYTES",
-    "thread_threshold": "FANSTORE_THREAD_THRESHOLD",
-    "readahead_chunks": "FANSTORE_READAHEAD_CHUNKS",
-    "mpi_spin": "FANSTORE_MPI_SPIN",
-    "mpi_max_sleep": "FANSTORE_MPI_MAX_SLEEP",
-    "mpi_send_poll": "FANSTORE_MPI_SEND_POLL",
-    "mpi_reply_poll": "FANSTORE_MPI_REPLY_POLL",
-    "noflush": "FANSTORE_NOFLUSH",
-    "no_open": "FANSTORE_NO_OPEN",
-    "commit_share": "FANSTORE_COMMIT_SHARE",
-    "fast_open": "FANSTORE_FASTOPEN",
-    "fuse_linger_us": "FANSTORE_FUSE_LINGER_US",
-    "fuse_trio_total_us": "FANSTORE_FUSE_TRIO_TOTAL_US",
-    "fuse_threads": "FANSTORE_FUSE_THREADS",
-    "fuse_uring": "FANSTORE_FUSE_URING",
-    "fast_read": "FANSTORE_FASTREAD",
-    "fast_read_threads": "FANSTORE_FASTREAD_THREADS",
-    "fast_read_inline": "FANSTORE_FASTREAD_INLINE",
-    "mpi_inline": "FANSTORE_MPI_INLINE",
-    "mpi_backoff": "FANSTORE_MPI_BACKOFF",
-    "mpi_doorbell": "FANSTORE_MPI_DOORBELL",
-    "mpi_bell_idle": "FANSTORE_MPI_BELL_IDLE",
     "cache_size": "FANSTORE_CACHE_SIZE",
-    "cache_c": "FANSTORE_CACHE_C",
-    "frame_cache_c": "FANSTORE_FRAME_CACHE_C",
-    "frame_push": "FANSTORE_FRAME_PUSH",
-    "subblock_cache": "FANSTORE_SUBBLOCK_CACHE",
+    "readahead_chunks": "FANSTORE_READAHEAD_CHUNKS",
+    "startup_timeout": "FANSTORE_STARTUP_TIMEOUT",
+    "prolog_timeout": "FANSTORE_PROLOG_TIMEOUT",
+    "job_dir": "FANSTORE_JOB_DIR",
+    "rendezvous_dir": "FANSTORE_RENDEZVOUS_DIR",
+    "mount_base": "FANSTORE_MOUNT_BASE",
+    "local_base": "FANSTORE_LOCAL_BASE",
+    "srun_mpi": "FANSTORE_SRUN_MPI",
+    "tensorio_tool": "FANSTORE_TENSORIO_TOOL",
+    "tensorio_db": "FANSTORE_TENSORIO_DB",
 }
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -103,47 +79,35 @@ def parse_cache_size(text: str) -> tuple[int | None, float | None]:
 
 @dataclass(frozen=True)
 class Settings:
+    state_dir: str = ""  # empty: `_mountctl.default_state_dir()`
     cache_bytes: int = 256 << 20
-    thread_threshold: int = 256 << 10
-    readahead_chunks: int = 4
-    mpi_spin: int = 0
-    mpi_max_sleep: float = 0.001
-    mpi_send_poll: float = 20e-6
-    mpi_reply_poll: float = 20e-6
-    noflush: int = 1
-    no_open: int = 1
-    commit_share: float = 0.05
-    fast_open: int = 1
-    fuse_linger_us: int = 200
-    fuse_trio_total_us: int = 5000
-    fuse_threads: int = 1
-    fuse_uring: int = 0
-    fast_read: int = 1
-    fast_read_threads: int = 16
-    fast_read_inline: int = 128 << 10
-    mpi_inline: int = 1
-    mpi_backoff: float = 2.0
-    mpi_doorbell: int = 1
-    mpi_bell_idle: float = 0.05
     cache_size: str = "50%"
-    cache_c: int = 1
-    frame_cache_c: int = 1
-    frame_push: int = 1
-    subblock_cache: int = 1
+    readahead_chunks: int = 4
+    startup_timeout: float = 120.0
+    prolog_timeout: float = 300.0
+    job_dir: str = ""
+    rendezvous_dir: str = ""
+    mount_base: str = "/tmp"
+    local_base: str = "/tmp"
+    srun_mpi: str = ""
+    tensorio_tool: str = ""
+    tensorio_db: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if env is None else env
         values: dict[str, int | float | str] = {}
         for f in fields(cls):
-            raw = env.get(_ENV[f.name])
+            name = ENV[f.name]
+            raw = env.get(name)
             if raw is None or raw == "":
                 continue
             if f.type in (str, "str"):
-                try:  # the one string knob: a bad value fails here, in one line
-                    parse_cache_size(raw)
-                except FanstoreError as e:
-                    raise FanstoreError(f"{_ENV[f.name]}={raw!r}: {e}") from None
+                if f.name == "cache_size":  # a bad size fails here, in one line
+                    try:
+                        parse_cache_size(raw)
+                    except FanstoreError as e:
+                        raise FanstoreError(f"{name}={raw!r}: {e}") from None
                 values[f.name] = raw
                 continue
             kind = int if f.type in (int, "int") else float
@@ -151,8 +115,8 @@ class Settings:
                 value = kind(raw)
             except ValueError:
                 what = "an integer" if kind is int else "a number"
-                raise FanstoreError(f"{_ENV[f.name]}={raw!r} is not {what}") from None
+                raise FanstoreError(f"{name}={raw!r} is not {what}") from None
             if value < 0:
-                raise FanstoreError(f"{_ENV[f.name]}={raw!r} must not be negative")
+                raise FanstoreError(f"{name}={raw!r} must not be negative")
             values[f.name] = value
         return cls(**values)  # type: ignore[arg-type]

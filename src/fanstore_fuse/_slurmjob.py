@@ -32,7 +32,7 @@ JOB_DIR = "/run/fanstore-fuse/jobs"
 KEYS = {"mnt", "local", "replicas", "stage_out", "read_only", "write_quota", "cache_size", "timeout",
         "rendezvous"}
 PASS_ENV = ("PATH", "LANG", "LC_ALL")
-PASS_PREFIXES = ("UCX_", "FI_", "MPIR_CVAR_", "FANSTORE_MPI_")
+PASS_PREFIXES = ("UCX_", "FI_", "MPIR_CVAR_")
 
 
 @dataclass

@@ -2,12 +2,13 @@
 
 The MPI thread posts `Isend`s from an outgoing queue (an eager send is complete at once and
 not tracked), matches incoming messages with `improbe` + `Message.Recv`, completes rendezvous
-sends with `Testsome`, and polls with intervals that grow (x `FANSTORE_MPI_BACKOFF`) from
-~20 us to ~1 ms while nothing arrives, 5 ms after a second idle, so an idle daemon does not
-spin a core; MPI offers nothing to block on. With doorbells (`_doorbell`: every frame is
-announced) an idle thread sleeps up to `FANSTORE_MPI_BELL_IDLE` (50 ms): each idle wake-up of
-this Python loop cost a remote read ~20 us of CPU per daemon at 5 ms (docs/performance.md).
-A frame posted by trio sets an event that ends the wait at once.
+sends with `Testsome`, and polls: MPI offers nothing to block on (MPICH's blocking calls spin a
+core), so the thread sleeps between polls, the interval doubling from 20 us to 1 ms while
+nothing arrives (`POLL_FIRST`, `POLL_MAX`), 5 ms after a second without traffic
+(`IDLE_SLEEP`) and 20 ms after a minute (`DEEP_IDLE_SLEEP`), so an idle daemon costs a few
+hundred wake-ups a second at most. A frame posted by trio (a request or a reply of this rank)
+sets an event that ends the wait at once; only a frame from another rank waits for the next
+poll.
 
 Blob requests are answered on the MPI thread itself when the page cache holds the blob, or by
 one of its disk threads (`HandlerTable.register_inline`): no hop to trio and back. Every other
@@ -31,7 +32,6 @@ from typing import Any, Protocol
 
 import trio
 
-from ._doorbell import Doorbell
 from ._errors import FanstoreError, PeerError
 from ._messages import (
     HEADER,
@@ -47,11 +47,19 @@ from ._messages import (
     decode,
     request_id_of,
 )
-from ._settings import Settings
 
 log = logging.getLogger("fanstore_fuse.transport")
 
-LONG_IDLE_SLEEP = 0.005  # after about a second without traffic
+# Poll intervals of the MPI thread. A reply is due within tens of microseconds between ranks of
+# one host, so the first wait is short; each wake-up of this Python loop costs ~20-40 us of CPU,
+# so the interval doubles to POLL_MAX (1 ms: at most ~4% of a core while a reply is late).
+POLL_FIRST = 20e-6
+POLL_MAX = 0.001
+POLL_GROWTH = 2.0
+IDLE_POLLS = 1000  # polls without traffic (about a second at POLL_MAX) before IDLE_SLEEP
+IDLE_SLEEP = 0.005  # idle: ~200 wake-ups/s, a request from a peer waits 2.5 ms on average
+DEEP_IDLE_S = 60.0  # a minute without traffic (a training step that reads nothing)...
+DEEP_IDLE_SLEEP = 0.02  # ...then 50 wake-ups/s; the first request after it waits <= 20 ms
 MAX_SERVING = 64  # concurrent requests served per daemon
 IO_THREADS = 4  # threads reading the disk for inline requests the page cache cannot answer
 
@@ -69,13 +77,11 @@ EAGER_CELLS = 32  # per rank, in shared memory: 8.3 MiB (MPICH's default 64 cell
 
 def mpich_shm_defaults(environ: Any = os.environ) -> None:
     """Set MPICH's eager shared-memory limits before `MPI_Init` (every rank runs this, so they
-    agree, as MPICH requires). Settings already in the environment win; `FANSTORE_MPI_EAGER=0`
-    keeps MPICH's own, `=1` sets them everywhere. Not by default inside a Slurm job: there the
-    test cluster's `srun --mpi=pmi2` ranks exited during start-up with them (not diagnosed), and
-    one daemon per node has no same-host peer to gain from. The pack buffers must hold a cell
-    or MPICH aborts at init."""
-    mode = environ.get("FANSTORE_MPI_EAGER", "")
-    if mode == "0" or (mode != "1" and "SLURM_JOB_ID" in environ):
+    agree, as MPICH requires). Settings already in the environment win. Not inside a Slurm job:
+    there the test cluster's `srun --mpi=pmi2` ranks exited during start-up with them, and one
+    daemon per node has no same-host peer to gain from. The pack buffers must hold a cell or
+    MPICH aborts at init."""
+    if "SLURM_JOB_ID" in environ:
         return
     for key, value in (("MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_CELL_SIZE", EAGER_CELL),
                        ("MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_NUM_CELLS", EAGER_CELLS),
@@ -113,22 +119,22 @@ def mpi_env_defaults(environ: Any = os.environ) -> None:
 SHM_SEGMENTS = "/dev/shm/mpich_shm_"
 
 
-def unlink_shared_segments(maps: str = "/proc/self/maps") -> list[str]:
-    """Remove the names of the MPICH shared-memory segments this process maps (/dev/shm/
-    mpich_shm_*), once every rank of this host has attached them (a barrier after MPI_Init, see
-    `_daemon.communicator`): the mappings stay, only the names go. MPICH removes them in
-    MPI_Finalize alone, so a daemon ended any other way (SIGKILL, the OOM killer, one rank's
-    mount unmounted on its own, which ends the mpiexec job) left 17-51 MB of RAM behind in
-    /dev/shm for good: 141 segments, 3.2 GB, had piled up on this machine over a day of tests
-    and benches (docs/reliability.md). Returns the names removed (another rank of the host may
-    have removed them first)."""
+def unlink_shared_segments(fd_dir: str = "/proc/self/fd") -> list[str]:
+    """Remove the names of the MPICH shared-memory segments this process holds open (/dev/shm/
+    mpich_shm_*; MPICH keeps a segment's descriptor open for as long as it maps it), once every
+    rank of this host has attached them (a barrier after MPI_Init, see `_daemon.communicator`):
+    the mappings stay, only the names go. MPICH removes them in MPI_Finalize alone, so a daemon
+    ended any other way (SIGKILL, the OOM killer, one rank's mount unmounted on its own, which
+    ends the mpiexec job) would leave 17-51 MB of RAM per job behind in /dev/shm for good
+    (docs/reliability.md). Returns the names removed (another rank of the host may have removed
+    them first)."""
     names: set[str] = set()
-    with contextlib.suppress(OSError), open(maps) as f:
-        for line in f:
-            fields = line.split(None, 5)
-            path = fields[5].strip() if len(fields) == 6 else ""
-            if path.startswith(SHM_SEGMENTS) and not path.endswith("(deleted)"):
-                names.add(path)
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(fd_dir):
+            with contextlib.suppress(OSError):
+                path = os.readlink(os.path.join(fd_dir, fd))
+                if path.startswith(SHM_SEGMENTS) and not path.endswith("(deleted)"):
+                    names.add(path)
     gone = []
     for path in sorted(names):
         with contextlib.suppress(FileNotFoundError):
@@ -199,9 +205,8 @@ class NoPeers:
 
 
 class MpiTransport:
-    def __init__(self, comm: Any, handlers: HandlerTable, settings: Settings):
+    def __init__(self, comm: Any, handlers: HandlerTable):
         self.comm = comm
-        self.settings = settings
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.handlers = handlers
@@ -213,8 +218,6 @@ class MpiTransport:
         self.served_inline = 0  # answered on the MPI thread (page cache)
         self.served_by_io = 0  # answered by a disk thread of the transport
         self.polls = 0  # iterations of the MPI thread's loop
-        self.bell_wakes = 0  # waits a doorbell (or trio) ended
-        self._bell = Doorbell() if settings.mpi_doorbell and self.size > 1 else None
         # append/popleft are thread-safe
         self._outq: deque[tuple[int, int, Wire, int]] = deque()
         self._wake = threading.Event()
@@ -244,11 +247,7 @@ class MpiTransport:
         finally:
             self._stop.set()
             self._wake.set()
-            if self._bell is not None:
-                self._bell.wake()
             await trio.to_thread.run_sync(thread.join)
-            if self._bell is not None:
-                self._bell.close()
 
     async def _serve_one(self, source: int, raw: Wire, limiter: trio.Semaphore) -> None:
         try:
@@ -272,12 +271,7 @@ class MpiTransport:
 
     def _notify(self) -> None:
         """Wake the MPI thread (it checks the queue again before every wait)."""
-        bell = self._bell
-        if bell is not None:
-            if bell.sleeping:
-                bell.wake()
-        else:
-            self._wake.set()
+        self._wake.set()
 
     async def request(self, dest: int, frame: Frame, timeout: float) -> Frame:
         """Send `frame` to rank `dest` and wait for its answer (PeerError on timeout)."""
@@ -351,19 +345,10 @@ class MpiTransport:
         token = self._token
         assert token is not None
         outq, handlers = self._outq, self.handlers
-        inline = bool(self.settings.mpi_inline)
         any_source, any_tag, byte = MPI.ANY_SOURCE, MPI.ANY_TAG, MPI.BYTE
-        spin, max_sleep = self.settings.mpi_spin, self.settings.mpi_max_sleep
-        send_poll, reply_poll = self.settings.mpi_send_poll, self.settings.mpi_reply_poll
         pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="fanstore-mpi-io")
-        growth = self.settings.mpi_backoff
-        bell_idle = self.settings.mpi_bell_idle
-        idle, due, delay = 0, 0.0, 0.0
-        bell = self._bell
-        if bell is not None:
-            bell.start(comm, byte)
-        chase = False  # woken by a bell: the frame may still be on its way
-        unannounced = 0
+        idle, delay = 0, 0.0
+        quiet_since = time.monotonic()
         while not self._stop.is_set():
             self.polls += 1
             busy = False
@@ -373,8 +358,6 @@ class MpiTransport:
                 try:
                     req = comm.Isend([data, byte], dest=dest, tag=tag)
                     self.bytes_sent += len(data)
-                    if bell is not None:
-                        bell.ring(dest)
                     if not req.Test():  # an eager send is complete at once: nothing to track
                         sends.append(req)
                         bufs.append(data)
@@ -383,12 +366,8 @@ class MpiTransport:
                     if rid:
                         token.run_sync_soon(self._send_failed, rid, f"send failed: {e}")
             batch: list[tuple[int, int, Wire]] = []
-            for k in range(64):
+            for _ in range(64):
                 msg = comm.improbe(any_source, any_tag, status)
-                if msg is None and chase and k == 0:
-                    # MPICH's improbe runs progress only after finding nothing: the frame a
-                    # bell announced is found by the next probe, not after a timed wait
-                    msg = comm.improbe(any_source, any_tag, status)
                 if msg is None:
                     break
                 busy = True
@@ -400,7 +379,7 @@ class MpiTransport:
                 buf = alloc(n)
                 msg.Recv([buf, byte])
                 self.bytes_received += n
-                if inline and tag == TAG_REQUEST and handlers.is_inline(buf):
+                if tag == TAG_REQUEST and handlers.is_inline(buf):
                     # answered here from the page cache, or by a worker thread that reads the
                     # disk: either way without a hop to trio and back
                     reply = handlers.dispatch_inline(source, buf, False)
@@ -425,44 +404,20 @@ class MpiTransport:
                         del sends[i]
                         del bufs[i]
             if busy or outq:
-                if busy and bell is not None and not chase and idle:
-                    unannounced += 1  # found by a timed-out wait, not a bell
-                idle, due, delay, chase = 0, 0.0, 0.0, False
+                idle, delay = 0, 0.0
+                quiet_since = time.monotonic()
                 continue
-            if bell is not None and bell.ready() and unannounced < 200 + 10 * self.bell_wakes:
-                # Bells announce frames: sleep until one rings; poll only for a rendezvous
-                # send, or briefly after a bell for a frame still on its way.
-                if sends or chase:
-                    due = min(max_sleep, due * growth) if due else (send_poll if sends else reply_poll)
-                    chase = chase and due < max_sleep
-                    timeout = due
-                else:
-                    timeout = max_sleep if self._pending else bell_idle
-                idle += 1
-                bell.sleeping = True
-                if not outq and bell.wait(timeout):
-                    self.bell_wakes += 1
-                    chase, due = True, 0.0
-                bell.sleeping = False
-                continue
-            if sends or (reply_poll and self._pending):
-                # A send must progress (rendezvous) or a reply is due, neither of which can set
-                # an event: poll, the interval growing from the knob's value to max_sleep; a
-                # new post from trio ends the wait at once.
-                due = min(max_sleep, due * growth) if due else (send_poll if sends else reply_poll)
-                if self._wake.wait(due):
-                    self._wake.clear()
-                continue
+            # Nothing moved: wait. A send that must progress (rendezvous) or a reply that is due
+            # polls from POLL_FIRST up; an idle thread backs off further (module docstring).
+            # A post from trio ends any wait at once.
             idle += 1
-            if idle < spin:
-                time.sleep(0)
-                continue
-            delay = min(max_sleep, delay * growth) if delay else 20e-6
-            if idle > spin + 1000:
-                delay = LONG_IDLE_SLEEP
+            delay = min(POLL_MAX, delay * POLL_GROWTH) if delay else POLL_FIRST
+            if not (sends or self._pending) and idle > IDLE_POLLS:
+                deep = time.monotonic() - quiet_since > DEEP_IDLE_S
+                delay = DEEP_IDLE_SLEEP if deep else IDLE_SLEEP
             if self._wake.wait(delay):
                 self._wake.clear()
-                idle, delay = 0, 0.0
+                delay = 0.0
         pool.shutdown(wait=False, cancel_futures=True)
         # Let queued sends finish briefly so peers get their answers.
         deadline = time.monotonic() + 1.0

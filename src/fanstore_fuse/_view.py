@@ -8,15 +8,16 @@ Three sources, one inode space (`origin`):
 
 File handles: a dataset file's handle is its inode, a written file's is ``WRITE_FH`` plus the
 store's handle, a remote file's ``REMOTE_FH`` plus a counter. Without OPEN (`no_open`, the
-default with the C shim: the kernel opens files without asking, and the shim puts the inode where
-the handle would be), requests about an open file carry its inode: a written file's go through
-one store handle per inode (`_implicit`: CREATE's, or opened at first use; closed, which commits
-and publishes, once unused for IDLE_CLOSE seconds by `run_closer` (longer for a file whose
-commits spent long hashing: at most `commit_share` of a writer's time goes to that), when the kernel
-forgets the inode, or for a live stage-out), a remote file's read the snapshot its last lookup took
-(`_remote_files`). The kernel sends no RELEASE in this mode, not even for CREATE's files. A
-committed file's first write tells the other ranks it changed (a reader's lookup then asks the
-writer, `SharedWrites.sync`), so close-to-open holds without FLUSH. The view answers lookups,
+default with the patched pyfuse3: the kernel opens files without asking, and pyfuse3 puts the
+inode where the handle would be, `Operations.inode_fh_without_open`), requests about an open
+file carry its inode: a written file's go through one store handle per inode (`_implicit`:
+CREATE's, or opened at first use; closed, which commits and publishes, once unused for
+IDLE_CLOSE seconds by `run_closer` (longer for a file whose commits spent long hashing: at most
+`commit_share` of a writer's time goes to that), when the kernel forgets the inode, or for a
+live stage-out), a remote file's read the snapshot its last lookup took (`_remote_files`). The
+kernel sends no RELEASE in this mode, not even for CREATE's files. A committed file's first
+write tells the other ranks it changed (a reader's lookup then asks the writer,
+`SharedWrites.sync`), so close-to-open holds without FLUSH. The view answers lookups,
 attributes, listings (dataset children first, then written ones the dataset does not have),
 opens, reads and writes, publishes written entries to the other ranks (create, close, rename,
 unlink), and computes the statfs figures. It raises domain errors only; `_fuse_ops` turns
@@ -113,7 +114,7 @@ class MountView(ViewMeta):
         self._next_remote_fh = 0
         # no_open: the kernel opens files without OPEN (no handle, no RELEASE, no FLUSH)
         self.no_open = False
-        self.commit_share = COMMIT_SHARE  # FANSTORE_COMMIT_SHARE (0: IDLE_CLOSE for all)
+        self.commit_share = COMMIT_SHARE  # 0: IDLE_CLOSE for all
         self._implicit: dict[int, int] = {}  # written inode: its store handle
         self._used: dict[int, float] = {}  # written inode: when its handle was last used
         self._pinned: set[int] = set()  # unlinked written inodes kept for their open files
@@ -130,7 +131,7 @@ class MountView(ViewMeta):
 
     def owner_ids(self, r: Record) -> tuple[int, int]:
         """(uid, gid) the mount shows for `r`: the root of a user's mount is the user's
-        (`root_owner`; the C shim gives the same, `_fastclose.root_owner`)."""
+        (`root_owner`)."""
         if r.inode == 1 and self.root_owner is not None:  # the root (_namespace: entry 0)
             return self.root_owner
         return r.uid, r.gid
@@ -318,9 +319,12 @@ class MountView(ViewMeta):
     # ------------------------------------------------------------ files
 
     async def open(self, inode: int, flags: int) -> tuple[int, bool]:
-        """(file handle, keep the page cache)."""
+        """(file handle, keep the page cache). Counted in status (`opens`, `opens_refused`)."""
+        extra = self.node.stats.extra
         if self.no_open:  # the first OPEN's ENOSYS stops the kernel sending any
+            extra["opens_refused"] = extra.get("opens_refused", 0) + 1
             raise Unsupported("files open without OPEN", errno.ENOSYS)
+        extra["opens"] = extra.get("opens", 0) + 1
         o = origin(inode)
         if o == ELSEWHERE:
             if flags & WRITE_FLAGS:

@@ -3,14 +3,13 @@
 Fresh memory is expensive: every page is zeroed and faulted in, and on a VM with free-page
 reporting each freed page must be faulted in again at the host level (measured here: a 1 GB
 load spent up to 2 s of CPU in faults). So when the last tensor viewing a buffer dies, the
-mapping goes back to a small process-wide cache (bounded by ``FANSTORE_TENSORIO_HOST_CACHE_MB``,
-default min(2 GiB, RAM/8); 0 disables) and the next load of a similar size reuses it, already
-faulted in. A reused buffer is always entirely overwritten by the read before it is exposed.
+mapping goes back to a small process-wide cache (bounded by min(2 GiB, RAM/8): enough for a
+few model shards, never a large share of a node's memory) and the next load of a similar size
+reuses it, already faulted in. A reused buffer is always entirely overwritten by the read
+before it is exposed.
 
-``FANSTORE_TENSORIO_HUGEPAGES=1`` advises transparent huge pages on new buffers. Off by default:
-on this VM a first touch of 1 GB took 2.4 s with huge pages against 0.4 s without (huge pages
-come from memory the host has not backed yet), and a fresh-process 100 MB load 170-310 ms
-against 48-79 ms. On bare metal they may win; measure with `python -m bench.tensorio`.
+New buffers get no transparent huge pages: on a VM a first touch of 1 GB took 2.4 s with huge
+pages against 0.4 s without (huge pages come from memory the host has not backed yet).
 """
 
 from __future__ import annotations
@@ -31,18 +30,11 @@ _cached = 0
 
 
 def _cap() -> int:
-    env = os.environ.get("FANSTORE_TENSORIO_HOST_CACHE_MB")
-    if env is not None:
-        return max(0, int(env)) << 20
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         ram = 16 << 30
     return min(2 << 30, ram // 8)
-
-
-def _huge() -> bool:
-    return os.environ.get("FANSTORE_TENSORIO_HUGEPAGES", "0") not in ("0", "", "off")
 
 
 class _Holder:
@@ -98,9 +90,6 @@ def alloc_host(nbytes: int) -> torch.Tensor:
     mm = _take(size)
     if mm is None:
         mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE") and size >= HUGE and _huge():
-            with contextlib.suppress(OSError):
-                mm.madvise(mmap.MADV_HUGEPAGE)
     arr = np.asarray(_Holder(mm))
     return torch.from_numpy(arr)[:nbytes]
 
