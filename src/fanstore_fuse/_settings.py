@@ -29,6 +29,8 @@
 | `FANSTORE_FRAME_CACHE_C` | 1 | the C shim keeps decoded zstd frames, up to `FANSTORE_CACHE_BYTES` (0: off) |
 | `FANSTORE_SUBBLOCK_CACHE` | 1 | that cache keeps raw 16 KiB sub-blocks read in part too (0: not) |
 | `FANSTORE_FRAME_PUSH` | 1 | frames partly read (buffered) pushed into the kernel's page cache (0: not) |
+| `FANSTORE_MPIEXEC` | (found) | the `mpiexec` of `mount --ranks` (`_mpilib`: by default the library's own) |
+| `FANSTORE_SRUN_MPI` | (found) | `srun --mpi` plugin in a Slurm job (default: pmix for Open MPI, else pmi2) |
 
 The daemon builds one `Settings` (`Settings.from_env()`) and hands it to what it composes;
 library code never reads the environment for these. A bad value is a one-line error.
@@ -70,6 +72,8 @@ _ENV = {
     "frame_cache_c": "FANSTORE_FRAME_CACHE_C",
     "frame_push": "FANSTORE_FRAME_PUSH",
     "subblock_cache": "FANSTORE_SUBBLOCK_CACHE",
+    "mpiexec": "FANSTORE_MPIEXEC",
+    "srun_mpi": "FANSTORE_SRUN_MPI",
 }
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -130,6 +134,8 @@ class Settings:
     frame_cache_c: int = 1
     frame_push: int = 1
     subblock_cache: int = 1
+    mpiexec: str = ""
+    srun_mpi: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -140,7 +146,10 @@ class Settings:
             if raw is None or raw == "":
                 continue
             if f.type in (str, "str"):
-                try:  # the one string knob: a bad value fails here, in one line
+                if f.name != "cache_size":
+                    values[f.name] = raw
+                    continue
+                try:  # a bad size fails here, in one line
                     parse_cache_size(raw)
                 except FanstoreError as e:
                     raise FanstoreError(f"{_ENV[f.name]}={raw!r}: {e}") from None
