@@ -139,8 +139,7 @@ def _candidates(lib: Library) -> list[str]:
     for n in names:
         if found := shutil.which(n):
             out.append(found)
-    seen: set[str] = set()
-    return [p for p in out if os.access(p, os.X_OK) and not (p in seen or seen.add(p))]
+    return [p for p in dict.fromkeys(out) if os.access(p, os.X_OK)]
 
 
 @dataclass(frozen=True)
