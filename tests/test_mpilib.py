@@ -42,7 +42,9 @@ def test_family_from_the_library_version(version, family, cray):
 
 def test_names_are_short():
     assert m.Library(OPEN_MPI).name == "Open MPI v4.1.4"
-    assert m.Library(MPICH).name == "MPICH Version: 5.0.2"
+    assert m.Library(MPICH).name == "MPICH 5.0.2"
+    assert m.Library(CRAY).name == "CRAY MPICH 8.1.27.26 (ANL base 3.4a2)"
+    assert m.Library(MVAPICH).name == "MVAPICH2 2.3.7"
 
 
 @pytest.mark.parametrize(("text", "kind"), [
@@ -109,7 +111,19 @@ def test_open_mpi_under_hydra_fails_naming_fanstore_mpiexec():
 
 def test_mpich_under_srun_none_fails_naming_pmi2():
     why = m.start_problem(m.Library(MPICH), {**SRUN_STEP, "SLURM_MPI_TYPE": "none"})
-    assert "MPICH Version: 5.0.2 needs PMI" in why and "FANSTORE_SRUN_MPI=pmi2" in why
+    assert "MPICH 5.0.2 needs PMI" in why and "FANSTORE_SRUN_MPI=pmi2" in why
+
+
+def test_the_mpich_wheel_under_open_mpis_mpiexec_fails_before_init():
+    env = {"OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_RANK": "0", "PMIX_NAMESPACE": "x",
+           "PMIX_RANK": "0"}
+    why = m.start_problem(m.Library(MPICH), env, world=3)
+    assert "needs PMI to start 3 ranks together, but Open MPI's mpiexec gave it none" in why
+    assert "FANSTORE_MPIEXEC" in why
+    pmix_mpich = m.Library(MPICH + "MPICH configure:    --with-pmix=/usr --with-pm=no\n")
+    assert m.start_problem(pmix_mpich, {**SRUN_STEP, "PMIX_NAMESPACE": "x", "PMIX_RANK": "0"}) == ""
+    wheel_under_pmix = {**SRUN_STEP, "SLURM_MPI_TYPE": "pmix", "PMIX_NAMESPACE": "x"}
+    assert "FANSTORE_SRUN_MPI=pmi2" in m.start_problem(m.Library(MPICH), wheel_under_pmix)
 
 
 @pytest.mark.parametrize("env", [
@@ -135,7 +149,8 @@ def test_a_smaller_world_than_was_started_is_one_line():
 
 def _fake(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"#!/bin/sh\ncat <<'EOF'\n{text}EOF\n")
+    assert "'" not in text
+    path.write_text(f"#!/bin/sh\nprintf '%s' '{text}'\n")  # a builtin: PATH may lack /bin
     path.chmod(0o755)
     return path
 

@@ -5,8 +5,9 @@ MPI with `MPICC=mpicc pip install --no-binary mpi4py mpi4py`). From the library'
 (`MPI.Get_library_version()`, which needs no `MPI_Init`) follow:
 
 - the `mpiexec` of `mount --ranks N`: `FANSTORE_MPIEXEC`, else the first `mpiexec` whose
-  `--version` belongs to the library, looked for next to the `mpicc` mpi4py was built with,
-  then in this Python's `bin` (the `mpich` wheel puts its own there), then on PATH;
+  `--version` belongs to the library, looked for in the library's install (the `bin` beside
+  the libmpi that mpi4py's extension is linked against), then in this Python's `bin` (the
+  `mpich` wheel puts its own there), then on PATH;
 - its flags: hydra's (MPICH, MVAPICH, Intel MPI) `-disable-auto-cleanup`, and for a daemon
   that joins others in a Slurm prolog `-launcher fork -rmk user`; Open MPI's
   `--oversubscribe` and, as root, `--allow-run-as-root`; none for any other launcher;
@@ -44,14 +45,16 @@ class Library:
     """One MPI library, from the text of `MPI.Get_library_version()`."""
 
     version: str
-    mpicc: str = ""  # the compiler wrapper mpi4py was built with ("" for a binary wheel)
+    mpicc: str = ""  # the compiler wrapper mpi4py was built with, where mpi4py says ("" mostly)
+    libmpi: str = ""  # the libmpi mpi4py's extension is linked against ("" for a binary wheel)
 
     @property
     def name(self) -> str:
-        """Its first line, shortened: "Open MPI v4.1.4", "MPICH Version: 5.0.2"."""
+        """Its first line, shortened: "Open MPI v4.1.4", "MPICH 5.0.2" (of "MPICH Version: 5.0.2")."""
         first = self.version.strip().splitlines()[0] if self.version.strip() else "unknown MPI"
-        first = " ".join(first.split())
-        return first.split(", package:")[0][:80]
+        first = " ".join(first.split()).split(", package:")[0]
+        first = re.sub(r"^(.*?) [Vv]ersion ?:? ", r"\1 ", first)
+        return first[:80]
 
     @property
     def family(self) -> str:
@@ -73,7 +76,22 @@ def family_of(version: str) -> str:
 
 _PROBE = ("from mpi4py import rc\nrc.initialize = rc.finalize = False\nimport mpi4py\n"
           "from mpi4py import MPI\nprint(mpi4py.get_config().get('mpicc', ''))\n"
-          "print(MPI.Get_library_version())\n")
+          "print(MPI.__file__)\nprint(MPI.Get_library_version())\n")
+
+
+def linked_libmpi(extension: str) -> str:
+    """The libmpi an extension module is linked against, as the dynamic loader resolves it
+    (`ldd`); "" when it is loaded at run time instead (mpi4py's binary wheels) or not found."""
+    try:
+        r = subprocess.run(["ldd", extension], capture_output=True, text=True, timeout=30,
+                           stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    for line in r.stdout.splitlines():
+        name, _, where = line.strip().partition(" => ")
+        if name.startswith("libmpi.so") and where.startswith("/"):
+            return where.split(" (")[0]
+    return ""
 
 
 @functools.lru_cache(maxsize=1)
@@ -89,8 +107,8 @@ def library() -> Library:
         last = (r.stderr.strip().splitlines() or ["no output"])[-1]
         raise FanstoreError(f"mpi4py cannot load an MPI library: {last} (install mpi4py built "
                             "against the site's MPI, or the `mpich` extra)")
-    mpicc, _, version = r.stdout.partition("\n")
-    return Library(version.strip(), mpicc.strip())
+    mpicc, extension, version = r.stdout.split("\n", 2)
+    return Library(version.strip(), mpicc.strip(), linked_libmpi(extension.strip()))
 
 
 # ---------------------------------------------------------------- mpiexec
@@ -123,13 +141,30 @@ def _version_of(cmd: list[str]) -> str | None:
     return r.stdout + r.stderr
 
 
+def _install_bins(libmpi: str) -> list[str]:
+    """`bin` directories of the install a libmpi belongs to: the first `bin` beside one of the
+    library directory's parents (/opt/openmpi/lib -> /opt/openmpi/bin, /usr/lib/x86_64-linux-gnu
+    -> /usr/bin)."""
+    d = os.path.dirname(os.path.realpath(libmpi))
+    for _ in range(3):
+        d = os.path.dirname(d)
+        if os.path.isdir(os.path.join(d, "bin")):
+            return [os.path.join(d, "bin")]
+    return []
+
+
 def _candidates(lib: Library) -> list[str]:
+    """Where an `mpiexec` of `lib` may be, most likely first: beside the `mpicc` mpi4py was
+    built with (when mpi4py records it), in the library's install, in this Python's `bin`, on
+    PATH."""
     dirs: list[str] = []
     if lib.mpicc:
         cc = lib.mpicc.split()[0]
         cc = cc if os.path.isabs(cc) else (shutil.which(cc) or "")
         if cc:
             dirs.append(os.path.dirname(cc))
+    if lib.libmpi:
+        dirs += _install_bins(lib.libmpi)
     dirs.append(os.path.dirname(sys.executable))
     names = ("mpiexec", "mpirun", "mpiexec.openmpi") if lib.family == OPEN_MPI else (
         "mpiexec", "mpiexec.hydra", "mpiexec.mpich", "mpirun")
@@ -291,6 +326,12 @@ def _fix(lib: Library, env: Mapping[str, str]) -> str:
     return f"set FANSTORE_MPIEXEC to the mpiexec of {lib.name}"
 
 
+def speaks_pmix(lib: Library) -> bool:
+    """Open MPI does; an MPICH built with PMIx says so in its configure line (the `mpich` wheel
+    is not: "Runtime environment uses unsupported PMI version PMIx"); Intel MPI can be told to."""
+    return lib.family != MPICH or "pmix" in lib.version.lower() or "Intel(R) MPI" in lib.version
+
+
 def start_problem(lib: Library, env: Mapping[str, str], world: int = 0) -> str:
     """One line when this rank, started as one of several, cannot meet the others: its library
     finds no process manager it speaks in `env` (checked before `MPI_Init`, which would abort or
@@ -301,10 +342,10 @@ def start_problem(lib: Library, env: Mapping[str, str], world: int = 0) -> str:
     if lib.family == OPEN_MPI and not _has_pmix(env):
         return (f"{lib.name} needs PMIx to start {n} ranks together, but {_how(env)} gave it "
                 f"none: {_fix(lib, env)}")
-    if lib.family == MPICH and not (_has_pmi(env) or _has_pmix(env)) and (
+    if lib.family == MPICH and not (_has_pmi(env) or (_has_pmix(env) and speaks_pmix(lib))) and (
             env.get("SLURM_STEP_ID") or "OMPI_COMM_WORLD_SIZE" in env):
         return (f"{lib.name} needs PMI to start {n} ranks together, but {_how(env)} gave it "
-                f"none: {_fix(lib, env)}")
+                f"none it speaks: {_fix(lib, env)}")
     return ""
 
 
