@@ -95,3 +95,24 @@ def test_the_other_librarys_mpiexec_fails_in_one_line_before_mpi_init(tmp_path, 
     line = _mount_fails(tmp_path, state_dir, other)
     assert f"{lib.name} needs PMI" in line, line
     assert "to start 3 ranks together" in line and "FANSTORE_MPIEXEC" in line
+
+
+@pytest.mark.timeout(120)
+def test_prolog_mode_under_open_mpi_is_refused_in_one_line(tmp_path, state_dir):
+    """Prolog mode joins daemons of separate mpiexec runs: MPICH's family can
+    (tests/test_rendezvous.py), Open MPI cannot without an ompi-server. `mount --join` says so
+    before anything starts."""
+    lib = _mpilib.library()
+    if lib.family == _mpilib.MPICH:
+        assert _mpilib.join_problem(lib) == ""
+        return
+    dest = prep_cli(_harness.build_tree(tmp_path / "src"), tmp_path / "dest")
+    (tmp_path / "rv").mkdir()
+    (tmp_path / "mnt").mkdir()
+    r = run_cli("mount", dest, tmp_path / "mnt", "--join", tmp_path / "rv", "--node-index", "0",
+                "--nodes", "2", env=cli_env(state_dir), check=False, timeout=60)
+    assert r.returncode == 1
+    assert r.stderr.strip() == (f"fanstore-fuse: prolog mode (--join) needs an MPICH-family MPI, "
+                                f"but mpi4py uses {lib.name}: mount from the job script instead "
+                                "(docs/slurm.md)"), r.stderr
+    assert not _harness.fuse_mounts_under(tmp_path)

@@ -266,7 +266,7 @@ def srun_plugins(text: str) -> set[str]:
 
 def _srun_list() -> str:
     try:
-        r = subprocess.run(["srun", "--mpi=list"], capture_output=True, text=True, timeout=30,
+        r = subprocess.run(["srun", "--mpi=list"], capture_output=True, text=True, timeout=10,
                            stdin=subprocess.DEVNULL)
     except (OSError, subprocess.SubprocessError):
         return ""
