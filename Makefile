@@ -47,7 +47,7 @@ OMPI_VENV ?= .venv-ompi
 OMPI_STAMP := $(OMPI_VENV)/.installed
 OMPI_TESTS ?= tests/test_mpilib.py tests/test_mpi_launch.py tests/test_cluster.py \
   tests/test_transport.py tests/test_slurm.py \
-  tests/cluster/test_jobscript.py
+  tests/cluster/test_jobscript.py tests/cluster/test_site_mpi.py
 $(OMPI_STAMP): pyproject.toml scripts/openmpi-venv.sh $(wildcard src/fanstore_fuse/*.c src/fanstore_fuse/*.h)
 	@bash scripts/install-deps.sh $(SLURM_DEPS)
 	bash scripts/openmpi-venv.sh $(OMPI_VENV) test
