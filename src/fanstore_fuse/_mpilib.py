@@ -311,7 +311,8 @@ def launched_size(env: Mapping[str, str], world: int = 0) -> int:
 
 def _how(env: Mapping[str, str]) -> str:
     if env.get("SLURM_STEP_ID"):
-        return f"srun --mpi={env.get('SLURM_MPI_TYPE') or '(the cluster default)'}"
+        kind = env.get("SLURM_MPI_TYPE")
+        return f"srun --mpi={kind}" if kind else "srun with the cluster's MpiDefault plugin"
     if _has_pmi(env):
         return "a hydra mpiexec (MPICH's)"
     if "OMPI_COMM_WORLD_SIZE" in env:
