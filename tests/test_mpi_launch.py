@@ -97,22 +97,30 @@ def test_the_other_librarys_mpiexec_fails_in_one_line_before_mpi_init(tmp_path, 
     assert "to start 3 ranks together" in line and "FANSTORE_MPIEXEC" in line
 
 
-@pytest.mark.timeout(120)
-def test_prolog_mode_under_open_mpi_is_refused_in_one_line(tmp_path, state_dir):
-    """Prolog mode joins daemons of separate mpiexec runs: MPICH's family can
-    (tests/test_rendezvous.py), Open MPI cannot without an ompi-server. `mount --join` says so
+def test_prolog_mode_without_a_way_to_join_is_refused_in_one_line(tmp_path, state_dir):
+    """Prolog mode joins daemons of separate mpiexec runs: MPICH's family by itself, Open MPI 4
+    through the ompi-server beside its mpiexec (tests/test_rendezvous.py runs both). An
+    Open MPI without one (Open MPI 5), given here by FANSTORE_MPIEXEC, is refused in one line
     before anything starts."""
     lib = _mpilib.library()
-    if lib.family == _mpilib.MPICH:
-        assert _mpilib.join_problem(lib) == ""
+    exe = _mpilib.mpiexec(lib)
+    assert _mpilib.join_problem(lib, exe) == ""  # this machine's library can join
+    if lib.family != _mpilib.OPEN_MPI:
         return
+    lone = tmp_path / "ompi5" / "mpiexec"  # an Open MPI mpiexec with no ompi-server beside it
+    lone.parent.mkdir()
+    lone.write_text(f"#!/bin/sh\nexec {exe.cmd[0]} \"$@\"\n")
+    lone.chmod(0o755)
     dest = prep_cli(_harness.build_tree(tmp_path / "src"), tmp_path / "dest")
     (tmp_path / "rv").mkdir()
     (tmp_path / "mnt").mkdir()
     r = run_cli("mount", dest, tmp_path / "mnt", "--join", tmp_path / "rv", "--node-index", "0",
-                "--nodes", "2", env=cli_env(state_dir), check=False, timeout=60)
+                "--nodes", "2", env=cli_env(state_dir, FANSTORE_MPIEXEC=str(lone)), check=False,
+                timeout=60)
     assert r.returncode == 1
-    assert r.stderr.strip() == (f"fanstore-fuse: prolog mode (--join) needs an MPICH-family MPI, "
-                                f"but mpi4py uses {lib.name}: mount from the job script instead "
-                                "(docs/slurm.md)"), r.stderr
+    assert r.stderr.strip() == ("fanstore-fuse: prolog mode (--join) needs an MPICH-family MPI or "
+                                "Open MPI's ompi-server, but mpi4py uses Open MPI without an "
+                                "ompi-server beside its mpiexec: mount from the job script "
+                                "instead (docs/slurm.md)"), r.stderr
     assert not _harness.fuse_mounts_under(tmp_path)
+    assert not os.listdir(tmp_path / "rv")

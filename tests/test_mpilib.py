@@ -194,10 +194,29 @@ def test_fanstore_mpiexec_overrides(tmp_path):
         m.mpiexec(m.Library(MPICH), str(tmp_path / "missing"))
 
 
-def test_prolog_mode_needs_mpich_family():
+def test_prolog_mode_needs_mpich_family_or_an_ompi_server(tmp_path):
     assert m.join_problem(m.Library(MPICH)) == ""
-    why = m.join_problem(m.Library(OPEN_MPI))
-    assert "prolog mode (--join) needs an MPICH-family MPI" in why and "Open MPI v4.1.4" in why
+    with_server = _fake(tmp_path / "ompi4" / "mpiexec", OMPI_VERSION)
+    _fake(tmp_path / "ompi4" / "ompi-server", "")
+    assert m.join_problem(m.Library(OPEN_MPI), m.Mpiexec([str(with_server)], m.OPEN_MPI)) == ""
+    alone = _fake(tmp_path / "ompi5" / "mpiexec", OMPI5_VERSION)
+    why = m.join_problem(m.Library(OPEN_MPI), m.Mpiexec([str(alone)], m.OPEN_MPI))
+    assert "prolog mode (--join) needs an MPICH-family MPI or Open MPI's ompi-server" in why
+    assert "Microsoft MPI" in m.join_problem(m.Library("Microsoft MPI 10.1"))
+
+
+def test_joined_open_mpi_ranks_stay_on_this_node_and_meet_through_the_server():
+    cmd = m.mpiexec_command(m.Mpiexec(["/usr/bin/mpiexec"], m.OPEN_MPI), 1, joined=True,
+                            server_uri="/shared/rv/ompi-server.uri")
+    assert cmd[-2:] == ["--ompi-server", "file:/shared/rv/ompi-server.uri"]
+    assert "isolated" in cmd and "^slurm" in cmd
+
+
+def test_stop_ompi_server_checks_the_pid_first(tmp_path):
+    (tmp_path / m.OMPI_PID).write_text(f"{os.getpid()}\n")  # this pytest: not an ompi-server
+    assert m.stop_ompi_server(str(tmp_path)) is False
+    (tmp_path / m.OMPI_PID).write_text("garbage\n")
+    assert m.stop_ompi_server(str(tmp_path)) is False
 
 
 def test_settings_carry_the_launcher_overrides():

@@ -392,6 +392,10 @@ def serve(cfg: MountConfig) -> int:
         own.remove()
         if rank == 0:
             group.remove()
+        if cfg.join and cfg.node_index == 0:  # Open MPI's ompi-server of this group, if any
+            from ._mpilib import stop_ompi_server
+
+            stop_ompi_server(cfg.join)
         logging.shutdown()
     return code
 

@@ -213,8 +213,9 @@ def mpiexec(lib: Library, override: str = "") -> Mpiexec:
     return _find_mpiexec(lib, override)
 
 
-def mpiexec_command(exe: Mpiexec, ranks: int, joined: bool = False) -> list[str]:
-    """`mpiexec -n N` and the flags its kind needs."""
+def mpiexec_command(exe: Mpiexec, ranks: int, joined: bool = False, server_uri: str = "") -> list[str]:
+    """`mpiexec -n N` and the flags its kind needs (`server_uri`: the `ompi-server` through
+    which Open MPI daemons of separate runs join)."""
     cmd = [*exe.cmd, "-n", str(ranks)]
     if exe.kind == HYDRA:
         # Without auto-cleanup, one rank dying does not take the others down: they keep
@@ -228,16 +229,55 @@ def mpiexec_command(exe: Mpiexec, ranks: int, joined: bool = False) -> list[str]
         cmd.append("--oversubscribe")  # more ranks than cores: `--ranks` stands in for nodes
         if os.geteuid() == 0:
             cmd.append("--allow-run-as-root")
+        if joined:
+            # this node only, whatever Slurm variables the environment holds
+            cmd += ["--mca", "plm", "isolated", "--mca", "ras", "^slurm"]
+            if server_uri:
+                cmd += ["--ompi-server", f"file:{server_uri}"]
     return cmd
 
 
-def join_problem(lib: Library) -> str:
-    """Prolog mode joins daemons of separate `mpiexec` runs (`_rendezvous`): MPICH's family
-    only. Open MPI needs an `ompi-server` for that, which fanstore-fuse does not start."""
-    if lib.family == MPICH:
+OMPI_URI = "ompi-server.uri"
+OMPI_PID = "ompi-server.pid"
+
+
+def ompi_server(exe: Mpiexec) -> str:
+    """Open MPI's `ompi-server` beside its `mpiexec` ("" when there is none: Open MPI 5 has
+    none)."""
+    path = os.path.join(os.path.dirname(os.path.realpath(exe.cmd[0])), "ompi-server")
+    return path if os.access(path, os.X_OK) else ""
+
+
+def join_problem(lib: Library, exe: Mpiexec | None = None) -> str:
+    """Prolog mode joins daemons of separate `mpiexec` runs (`_rendezvous`). MPICH's family does
+    that by itself; Open MPI through an `ompi-server` that node 0 starts (`_launch`)."""
+    if lib.family == MPICH or (lib.family == OPEN_MPI and exe is not None and ompi_server(exe)):
         return ""
-    return (f"prolog mode (--join) needs an MPICH-family MPI, but mpi4py uses {lib.name}: "
-            "mount from the job script instead (docs/slurm.md)")
+    why = "Open MPI without an ompi-server beside its mpiexec" if lib.family == OPEN_MPI else lib.name
+    return (f"prolog mode (--join) needs an MPICH-family MPI or Open MPI's ompi-server, but "
+            f"mpi4py uses {why}: mount from the job script instead (docs/slurm.md)")
+
+
+def stop_ompi_server(directory: str) -> bool:
+    """SIGTERM the `ompi-server` node 0 started for the meeting dir `directory`, if it still
+    runs (its pid is checked against its command line first). True when one was stopped."""
+    import signal
+
+    try:
+        with open(os.path.join(directory, OMPI_PID)) as f:
+            pid = int(f.read().strip())
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().split(b"\0")
+    except (OSError, ValueError):
+        return False
+    uri = os.fsencode(os.path.join(directory, OMPI_URI))
+    if not cmdline or not cmdline[0].endswith(b"ompi-server") or uri not in cmdline:
+        return False
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except OSError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------- srun

@@ -298,10 +298,14 @@ def _undo(plan: JobPlan, remove_mountpoint: bool) -> None:
 
 
 def remove_rendezvous(path: str) -> None:
-    """Remove a meeting dir's own files (port name, arrival marks), then the dir if empty."""
+    """Stop the meeting dir's `ompi-server` (Open MPI), remove its own files (port name, arrival
+    marks, the server's URI and pid), then the dir if empty."""
+    from ._mpilib import stop_ompi_server
+
+    stop_ompi_server(path)
     with contextlib.suppress(OSError):
         for name in os.listdir(path):
-            if name.startswith(("port", "arrived-")):
+            if name.startswith(("port", "arrived-", "ompi-server.")):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(path, name))
         os.rmdir(path)
