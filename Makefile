@@ -41,14 +41,14 @@ test: $(STAMP)
 # The multi-rank tests again with Debian's Open MPI instead of the mpich wheel: a second venv
 # ($(OMPI_VENV), no mpich extra) with mpi4py built from source against Open MPI, once; the built
 # wheel is kept in ~/.cache/fanstore-fuse (scripts/openmpi-venv.sh). Then the tests that start
-# real ranks through `mount --ranks`, the launcher checks, and (as root) the Slurm job-script
-# flow on the one-machine cluster, with srun's pmix plugin. Not the tests of the C remote
+# real ranks through `mount --ranks`, the launcher checks, prolog mode's join (ompi-server), and
+# (as root) the Slurm job-script and prolog flows on the one-machine cluster. Not the tests of the C remote
 # thread (`_cremote`: MPICH's ABI only; under Open MPI remote reads go through Python).
 OMPI_VENV ?= .venv-ompi
 OMPI_STAMP := $(OMPI_VENV)/.installed
 OMPI_TESTS ?= tests/test_mpilib.py tests/test_mpi_launch.py tests/test_cluster.py \
-  tests/test_transport.py tests/test_slurm.py \
-  tests/cluster/test_site_mpi.py \
+  tests/test_transport.py tests/test_slurm.py tests/test_rendezvous.py tests/test_slurm_prolog.py \
+  tests/cluster/test_site_mpi.py tests/cluster/test_prolog.py \
   tests/cluster/test_jobscript.py::test_job_script_mounts_on_every_node_and_leaves_nothing \
   tests/cluster/test_jobscript.py::test_ranks_that_do_not_meet_fail_with_one_clear_line
 $(OMPI_STAMP): pyproject.toml scripts/openmpi-venv.sh $(wildcard src/fanstore_fuse/*.c src/fanstore_fuse/*.h)
