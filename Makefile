@@ -4,9 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
-EXTRAS ?= test,bench,tensor
+# mpich: MPI as a wheel (its mpiexec goes into the venv). A cluster install leaves it out and
+# builds mpi4py against the site's MPI instead (README; `make test-openmpi` does that here).
+EXTRAS ?= test,bench,tensor,mpich
 
-.PHONY: all deps venv install demo test test-fast lint bench bench-quick bench-metadata bench-cost bench-epoch2 clean pjdfstest
+.PHONY: all deps venv install demo test test-openmpi test-fast lint bench bench-quick bench-metadata bench-cost bench-epoch2 clean pjdfstest
 
 all: test
 
@@ -39,6 +41,29 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider --durations=20
+
+# The multi-rank tests again with Debian's Open MPI instead of the mpich wheel: a second venv
+# ($(OMPI_VENV), no mpich extra) with mpi4py built from source against Open MPI, once; the built
+# wheel is kept in ~/.cache/fanstore-fuse (scripts/openmpi-venv.sh). Then the tests that start
+# real ranks through `mount --ranks`, the launcher checks, prolog mode's join (ompi-server), and
+# (as root) the Slurm job-script and prolog flows on the one-machine cluster, and remote reads
+# (tests/test_remote.py: the same Python code as under MPICH).
+OMPI_VENV ?= .venv-ompi
+OMPI_STAMP := $(OMPI_VENV)/.installed
+OMPI_TESTS ?= tests/test_mpilib.py tests/test_mpi_launch.py tests/test_cluster.py tests/test_remote.py \
+  tests/test_transport.py tests/test_slurm.py tests/test_rendezvous.py tests/test_slurm_prolog.py \
+  tests/cluster/test_site_mpi.py tests/cluster/test_prolog.py \
+  tests/cluster/test_jobscript.py::test_job_script_mounts_on_every_node_and_leaves_nothing \
+  tests/cluster/test_jobscript.py::test_ranks_that_do_not_meet_fail_with_one_clear_line
+$(OMPI_STAMP): pyproject.toml scripts/openmpi-venv.sh $(PYFUSE3_PATCH)
+	@bash scripts/install-deps.sh $(SLURM_DEPS)
+	bash scripts/openmpi-venv.sh $(OMPI_VENV) test
+	bash scripts/install-pyfuse3.sh $(OMPI_VENV)/bin/python
+	$(OMPI_VENV)/bin/python -m compileall -q src >/dev/null
+	@touch $(OMPI_STAMP)
+
+test-openmpi: $(OMPI_STAMP)
+	$(OMPI_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=10 $(OMPI_TESTS)
 
 # POSIX conformance of a written directory (issue 13): ok / planned per directory, and the bar
 # (>= 95% ok). Root, /dev/fuse, autotools (installed with apt when missing). About 10 min.

@@ -74,7 +74,7 @@ def page_cache_drops() -> int:
 def drop_page_cache(paths) -> None:
     """Evict the files' pages, and check they are gone (`mincore`): one DONTNEED under load
     can leave a page the kernel had not yet put on an LRU list, and a read that was to need
-    the disk then finds it cached (seen as a rare failure of a nowait read in test_diskcache_c)."""
+    the disk then finds it cached ."""
     for _ in range(100):
         resident = 0
         for p in paths:

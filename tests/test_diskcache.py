@@ -1,5 +1,5 @@
-"""The disk cache of remote blobs (`_diskcache.py`, issue 11 part 3) in process (read by the C
-shim: test_diskcache_c.py; on a real 2-rank mount: test_diskcache_mount.py)."""
+"""The disk cache of remote blobs (`_diskcache.py`) in process (on a real 2-rank mount:
+test_diskcache_mount.py)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 from _harness import cli_env, prep_cli, run_cli
 
-from fanstore_fuse._launch import launcher_command
+from fanstore_fuse import _mpilib
+from fanstore_fuse._launch import _ompi_server, launcher_command
+from fanstore_fuse._mpilib import stop_ompi_server
 from fanstore_fuse._rendezvous import Rendezvous, node_index
 from fanstore_fuse._slurmjob import JobPlan, expand_nodelist, mount_argv, parse_request
 
@@ -35,15 +37,24 @@ print("JOINED", comm.Get_rank(), comm.Get_size(), comm.allgather(i), flush=True)
 """
 
 
-def _start(i: int, n: int, d: Path, timeout: float) -> subprocess.Popen[str]:
+def _server(d: Path) -> str:
+    """Open MPI: the `ompi-server` node 0's `mount --join` would start (stopped by `_finish`),
+    its URI file; "" for MPICH's family, which joins without one."""
+    if _mpilib.library().family != _mpilib.OPEN_MPI:
+        return ""
+    return _ompi_server(["--join", str(d), "--node-index", "0"], str(d / "server.log"), 60)[0]
+
+
+def _start(i: int, n: int, d: Path, timeout: float, uri: str = "") -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [*launcher_command(1, joined=True), sys.executable, "-c", JOIN, str(i), str(n), str(d),
-         str(timeout)],
+        [*launcher_command(1, joined=True, server_uri=uri), sys.executable, "-c", JOIN, str(i),
+         str(n), str(d), str(timeout)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env=dict(os.environ, **MPI_ENV))
 
 
-def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str]]:
+def _finish(procs: list[subprocess.Popen[str]], timeout: float,
+            d: Path | None = None) -> list[tuple[int, str]]:
     out = []
     try:
         for p in procs:
@@ -54,6 +65,8 @@ def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[in
             if p.poll() is None:
                 os.killpg(p.pid, 9)
                 p.wait()
+        if d is not None:
+            stop_ompi_server(str(d))
     return out
 
 
@@ -84,19 +97,22 @@ def test_request_parsing_and_node_order():
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
 def test_three_independent_mpiexec_join_in_node_order(tmp_path):
-    procs = [_start(i, 3, tmp_path, 60) for i in (2, 1, 0)]
-    results = _finish(procs, 90)
+    uri = _server(tmp_path)
+    procs = [_start(i, 3, tmp_path, 60, uri) for i in (2, 1, 0)]
+    results = _finish(procs, 90, tmp_path)
     lines = sorted(t.strip().splitlines()[-1] for _, t in results)
     assert all(code == 0 for code, _ in results), results
     assert lines == [f"JOINED {i} 3 [0, 1, 2]" for i in range(3)], results
-    assert sorted(os.listdir(tmp_path)) == ["arrived-0", "arrived-1", "arrived-2"]  # port gone
+    ours = [n for n in os.listdir(tmp_path) if not n.startswith(("ompi-server.", "server.log"))]
+    assert sorted(ours) == ["arrived-0", "arrived-1", "arrived-2"]  # port gone
 
 
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
 def test_a_node_that_never_arrives_times_out_everyone_with_its_index(tmp_path):
     t0 = time.monotonic()
-    results = _finish([_start(i, 3, tmp_path, 4) for i in (0, 1)], 90)
+    uri = _server(tmp_path)
+    results = _finish([_start(i, 3, tmp_path, 4, uri) for i in (0, 1)], 90, tmp_path)
     took = time.monotonic() - t0
     for code, text in results:
         assert code != 0, text
@@ -200,6 +216,7 @@ def test_sigkill_of_one_joined_daemon_leaves_the_others_serving(src_tree, tmp_pa
             assert os.stat(mnts[i]).st_ino == 1, f"node {i} stopped serving"
     finally:
         results = [run_cli("umount", m, env=env, check=False, timeout=60) for m in mnts]
+        stop_ompi_server(str(rv))  # Open MPI: node 0's daemon stops it at exit; here for sure
     # Node 0's umount asks node 2 to end too, and names node 1 (killed) as not reached: exit 1.
     # (Sends towards the dead node may hold up MPI on node 0 past the ping time-out: node 2 is
     # then named as not reached too, and its own umount ends it.)

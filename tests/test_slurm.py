@@ -1,17 +1,18 @@
 """The SLURM launch path, exercised on one machine: `srun` is a shim that checks the flags
-fanstore-fuse passes and runs the ranks with the mpich wheel's mpiexec instead."""
+fanstore-fuse passes and runs the ranks with the mpiexec of the MPI mpi4py uses instead."""
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import _harness
 import pytest
 from _harness import cli_env, diff_meta, expected_from_source, prep_cli, run_cli, snapshot
+
+from fanstore_fuse import _mpilib
 
 SHIM = """#!/bin/bash
 # Stand-in for srun: insist on what a FUSE daemon per node needs, then run N local ranks.
@@ -30,8 +31,16 @@ while [[ $# -gt 0 && "$1" == --* ]]; do
   shift
 done
 [[ $overlap == 1 && $per_node == 1 && -n "$n" ]] || { echo "missing srun flags" >&2; exit 2; }
-exec "$MPIEXEC" -n "$n" -disable-auto-cleanup "$@"
+exec $MPIEXEC -n "$n" $MPIEXEC_FLAGS "$@"
 """
+
+
+def _mpiexec_env() -> dict[str, str]:
+    """The shim's mpiexec: the library's own, with the flags of its kind after `-n N`. Without
+    SLURM_JOB_ID: Open MPI's mpiexec would otherwise ask Slurm for the job's nodes."""
+    exe = _mpilib.mpiexec(_mpilib.library())
+    flags = _mpilib.mpiexec_command(exe, 1)[len(exe.cmd) + 2:]
+    return {"MPIEXEC": " ".join(exe.cmd), "MPIEXEC_FLAGS": " ".join(flags)}
 
 
 def test_batch_script_and_snippets_parse():
@@ -52,14 +61,15 @@ def test_mount_inside_a_slurm_job_uses_srun(src_tree, tmp_path, state_dir):
     log = tmp_path / "srun.log"
     env = cli_env(state_dir, PATH=f"{bindir}:{os.environ['PATH']}", SLURM_JOB_ID="4242",
                   SLURM_JOB_NUM_NODES="2", SRUN_LOG=str(log),
-                  MPIEXEC=os.path.join(os.path.dirname(sys.executable), "mpiexec"))
+                  **_mpiexec_env())
     dest = prep_cli(src_tree, tmp_path / "dest", "--chunk-mib", "1")
     template = str(tmp_path / "mnt" / "{rank}")
     expected = expected_from_source(snapshot(src_tree)[0])
     try:
         run_cli("mount", dest, template, env=env, timeout=120)
         assert "--overlap" in log.read_text() and "--ntasks-per-node=1" in log.read_text()
-        assert "mpi pmi2" in log.read_text().splitlines()  # what the mpich wheel speaks
+        want = _mpilib.srun_preferences(_mpilib.library())[0]  # pmi2 (MPICH), pmix (Open MPI)
+        assert f"mpi {want}" in log.read_text().splitlines()
         for r in (0, 1):
             actual, _ = snapshot(template.replace("{rank}", str(r)))
             assert diff_meta(expected, actual) == []
@@ -87,6 +97,6 @@ def test_a_stalled_mpi_start_up_fails_clearly_instead_of_hanging(tmp_path, state
     r = run_cli("mount", dest, str(tmp_path / "mnt"), env=env, check=False, timeout=90)
     assert r.returncode == 1, r
     assert "MPI start-up of the ranks did not finish within 3 s (srun --overlap" in r.stderr
-    assert "--mpi=pmi2" in r.stderr
+    assert f"--mpi={_mpilib.srun_preferences(_mpilib.library())[0]}" in r.stderr
     assert time.monotonic() - t0 < 60
     assert _harness.wait_gone([int(pidfile.read_text())], 5), "the srun launcher was left running"

@@ -1,4 +1,4 @@
-"""The MPI transport between two real ranks (`mpiexec -n 2` of the wheel), without FUSE:
+"""The MPI transport between two real ranks (`mpiexec -n 2` of the MPI mpi4py uses), without FUSE:
 blobs served on the MPI thread (page cache) and by its disk threads, byte for byte; bad ids
 and malformed frames sent to the inline path come back as error replies."""
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from _harness import prep_cli
 
+from fanstore_fuse._launch import launcher_command
 from fanstore_fuse._messages import MAX_FRAME
 
 pytestmark = [pytest.mark.mpi]
@@ -23,8 +24,7 @@ HERE = Path(__file__).parent
 
 def _run(dest: Path, out: Path, env: dict[str, str]) -> list[dict]:
     out.mkdir()
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    p = subprocess.run([str(mpiexec), "-n", "2", sys.executable, str(HERE / "_transport_ranks.py"),
+    p = subprocess.run([*launcher_command(2), sys.executable, str(HERE / "_transport_ranks.py"),
                         str(dest), str(out)], env={**os.environ, **env}, capture_output=True,
                        text=True, timeout=150)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -25,7 +25,6 @@ from ._errors import FanstoreError
 from ._fsio import atomic_write
 from ._fuse_ops import PATCHED, Operations
 from ._fuseaccess import fuse_access_problem, mount_failure
-from ._launch import world_error
 from ._mountctl import (
     LocalDirBusy,
     MountState,
@@ -71,6 +70,7 @@ class MountConfig:
     join_timeout: float = 120.0
     stage_out: str | None = None  # recorded for `umount` (and the SLURM epilog)
     cache_size: str | None = None  # disk cache of remote blobs; None: FANSTORE_CACHE_SIZE or 50%
+    world: int = 0  # with mpi: how many ranks the launcher started (0: as srun/mpiexec tell)
 
 
 def fuse_options(cfg: MountConfig) -> set[str]:
@@ -240,15 +240,27 @@ class OneRank:
 
 def communicator(cfg: MountConfig) -> tuple[Any, int, int]:
     """(comm, rank, size): MPI.COMM_WORLD of mpiexec/srun, the group joined by daemons started
-    one per node (`cfg.join`, see `_rendezvous`), or `OneRank` without MPI."""
+    one per node (`cfg.join`, see `_rendezvous`), or `OneRank` without MPI.
+
+    MPI is initialised here, after a look at what started this rank (`_mpilib.start_problem`):
+    a library without its process manager would abort in `MPI_Init` or come up alone."""
     if not cfg.mpi:
         return OneRank(), 0, 1
     from mpi4py import rc
 
+    from . import _mpilib
+
     mpi_env_defaults()  # before MPI_Init
+    rc.initialize = False
+    rc.finalize = True  # at exit, as when mpi4py initialises MPI itself
     rc.thread_level = "multiple"
     from mpi4py import MPI
 
+    lib = _mpilib.Library(MPI.Get_library_version())
+    if not cfg.join and (why := _mpilib.start_problem(lib, os.environ, cfg.world)):
+        raise FanstoreError(why)
+    if not MPI.Is_initialized():
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
     if cfg.join:
         from ._rendezvous import Rendezvous, join
 
@@ -256,7 +268,8 @@ def communicator(cfg: MountConfig) -> tuple[Any, int, int]:
         comm = join(rv, lambda msg: _report_failure(cfg, f"error: {msg}"))
     else:
         comm = MPI.COMM_WORLD
-        if why := world_error(comm.Get_size()):  # N one-rank file systems would serve, none shared
+        # N one-rank file systems would each serve everything as rank 0, none shared
+        if why := _mpilib.world_problem(lib, os.environ, comm.Get_size(), cfg.world):
             raise FanstoreError(why)
         comm.Barrier()  # every rank of this host has attached MPICH's shared memory
         unlink_shared_segments()
@@ -388,6 +401,10 @@ def serve(cfg: MountConfig) -> int:
         own.remove()
         if rank == 0 or here[0]["rank"] == rank:  # the rank that saved it on this host
             group.remove()
+        if cfg.join and cfg.node_index == 0:  # Open MPI's ompi-server of this group, if any
+            from ._mpilib import stop_ompi_server
+
+            stop_ompi_server(cfg.join)
         with contextlib.suppress(OSError):  # the state dir too, once nothing is left in it
             os.rmdir(state_dir())
         # Done: a rank left waiting in MPI_Finalize for the others may be ended by SIGTERM.

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING
 
 from ._errors import FanstoreError
+from ._fsio import atomic_write
 from ._mountctl import MountState, find_state, mount_key, state_dir
 from ._safepath import open_private
 
@@ -80,41 +80,71 @@ def _tail(path: str) -> str:
         return "(no log)"
 
 
-def srun_mpi_plugin() -> str:
-    """srun's --mpi plugin: FANSTORE_SRUN_MPI, else the user's SLURM_MPI_TYPE, else pmi2 (what
-    the mpich wheel speaks; with Slurm's default `none` every task is a world of one)."""
-    chosen = os.environ.get("SLURM_MPI_TYPE", "")
-    return os.environ.get("FANSTORE_SRUN_MPI") or (chosen if chosen != "none" else "") or "pmi2"
+def launcher_command(ranks: int | None, joined: bool = False, server_uri: str = "") -> list[str]:
+    """How the daemons start (`_mpilib`): `srun` inside a SLURM job, with the `--mpi` plugin of
+    the library mpi4py uses; else that library's `mpiexec -n N` for local ranks; with `joined`,
+    `mpiexec -n 1` on this node only (one daemon per node, see `_rendezvous`)."""
+    from . import _mpilib
+    from ._settings import Settings
 
-
-def world_error(nranks: int) -> str:
-    """Inside an srun step: an MPI world smaller than the step means the ranks never met."""
-    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
-    if not os.environ.get("SLURM_STEP_ID") or not tasks.isdigit() or int(tasks) <= nranks:
-        return ""
-    return (f"MPI sees a world of {nranks} rank(s) but srun started {tasks} tasks: srun's --mpi "
-            "plugin does not match the MPI library (the mpich wheel needs pmi2, the default; "
-            "FANSTORE_SRUN_MPI sets another)")
-
-
-def launcher_command(ranks: int | None, joined: bool = False) -> list[str]:
-    """`mpiexec -n N` from the mpich wheel for local ranks; `srun` inside a SLURM job; with
-    `joined`, `mpiexec -n 1` on this node only (one daemon per node, see `_rendezvous`)."""
+    settings = Settings.from_env()
+    lib = _mpilib.library()
     if ranks is None and not joined and os.environ.get("SLURM_JOB_ID"):
         nodes = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or "1"
+        plugin = _mpilib.srun_plugin(lib, settings.srun_mpi)
         return ["srun", "--overlap", "--ntasks-per-node=1", f"--nodes={nodes}", f"--ntasks={nodes}",
-                f"--mpi={srun_mpi_plugin()}"]
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if not os.path.exists(mpiexec):
-        mpiexec = shutil.which("mpiexec") or "mpiexec"
-    # Without auto-cleanup, one rank dying does not take the others down: they keep serving
-    # from replicas and the source.
-    cmd = [mpiexec, "-n", str(ranks or 1), "-disable-auto-cleanup"]
-    if joined:
-        # In a SLURM prolog hydra would otherwise see the job's environment and launch with
-        # srun on the job's first node; this daemon belongs on this node.
-        cmd[1:1] = ["-launcher", "fork", "-rmk", "user"]
-    return cmd
+                f"--mpi={plugin}"]
+    exe = _mpilib.mpiexec(lib, settings.mpiexec)
+    if joined and (why := _mpilib.join_problem(lib, exe)):
+        raise FanstoreError(why)
+    return _mpilib.mpiexec_command(exe, ranks or 1, joined, server_uri)
+
+
+def _ompi_server(argv: list[str], logp: str, timeout: float) -> tuple[str, subprocess.Popen | None]:
+    """Prolog mode under Open MPI: daemons of separate `mpiexec` runs join through an
+    `ompi-server`. Node 0 starts it (its own session: it outlives this `mount` and is stopped
+    with the meeting dir, `_mpilib.stop_ompi_server`) and leaves its URI in the meeting dir;
+    the other nodes wait for that file. Returns (URI file, the server started here or None)."""
+    from . import _mpilib
+    from ._settings import Settings
+
+    directory = argv[argv.index("--join") + 1]
+    index = int(argv[argv.index("--node-index") + 1])
+    uri = os.path.join(directory, _mpilib.OMPI_URI)
+    deadline = time.monotonic() + timeout
+    proc = None
+    if index == 0:
+        exe = _mpilib.mpiexec(_mpilib.library(), Settings.from_env().mpiexec)
+        if why := _mpilib.join_problem(_mpilib.library(), exe):
+            raise FanstoreError(why)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(uri)  # a stale one from an earlier attempt of this job
+        env = dict(os.environ)
+        if os.geteuid() == 0:
+            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        with os.fdopen(open_private(logp, os.O_WRONLY | os.O_CREAT | os.O_APPEND), "ab") as logf:
+            proc = subprocess.Popen([_mpilib.ompi_server(exe), "--no-daemonize", "-r", uri],
+                                    stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, env=env,
+                                    start_new_session=True, close_fds=True)
+        atomic_write(os.path.join(directory, _mpilib.OMPI_PID), f"{proc.pid}\n")
+        deadline = min(deadline, time.monotonic() + 60)
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), open(uri) as f:
+            if "://" in f.read():
+                return uri, proc
+        if proc is not None and proc.poll() is not None:
+            raise FanstoreError(f"ompi-server exited (code {proc.returncode}): {_tail(logp)}")
+        time.sleep(0.1)
+    if proc is not None:
+        proc.terminate()
+    raise FanstoreError(f"no ompi-server URI in {uri} within the time-out (node 0 starts it)")
+
+
+def _world(launcher: list[str], ranks: int | None) -> int:
+    """How many ranks a launcher command starts (srun's `--ntasks=N`, else `ranks`)."""
+    if launcher[0] == "srun":
+        return int(next(a for a in launcher if a.startswith("--ntasks=")).partition("=")[2])
+    return ranks or 1
 
 
 def start_ranks(argv: list[str], template: str, ranks: int | None, timeout: float,
@@ -127,8 +157,18 @@ def start_ranks(argv: list[str], template: str, ranks: int | None, timeout: floa
         os.unlink(ready)
     logp = log_path(template)
     progress = os.path.join(state_dir(), f"{key}.progress")
-    cmd = [*launcher_command(ranks, joined), sys.executable, "-m", "fanstore_fuse", *argv,
+    server: subprocess.Popen | None = None
+    uri = ""
+    if joined:
+        from . import _mpilib
+
+        if _mpilib.library().family == _mpilib.OPEN_MPI:
+            uri, server = _ompi_server(argv, logp, timeout)
+    launcher = launcher_command(ranks, joined, uri)
+    cmd = [*launcher, sys.executable, "-m", "fanstore_fuse", *argv,
            "--mpi", "--ready-file", ready, "--progress-file", progress]
+    if not joined:  # each rank checks that it met all the others (`_mpilib.world_problem`)
+        cmd += ["--world", str(_world(launcher, ranks))]
     with os.fdopen(open_private(logp, os.O_WRONLY | os.O_CREAT | os.O_APPEND), "ab") as logf:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
                                 start_new_session=True, close_fds=True)
@@ -165,6 +205,8 @@ def start_ranks(argv: list[str], template: str, ranks: int | None, timeout: floa
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+        if server is not None:
+            server.terminate()
         if stalled:
             raise FanstoreError(f"{stalled}; see {logp}")
         if not line:

@@ -17,7 +17,9 @@ reports the time-out through `on_timeout` and ends the process (`os._exit`), so 
 half-joined survives; the others, blocked in the same collective `Accept`, hit their own
 deadlines the same way. Bare singletons (a daemon started without `mpiexec`) cannot join
 ("Local and remote groups in MPI_Intercomm_create must not overlap"): start each with
-`mpiexec -n 1` from the mpich wheel.
+`mpiexec -n 1`. Open MPI joins separate `mpiexec` runs only through an `ompi-server` given to
+each of them (`_launch` starts one on node 0); without one `_mpilib.join_problem` refuses
+before anything starts.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ comment that says why the value.
 | `FANSTORE_RENDEZVOUS_DIR` | (none) | prolog mode: shared dir where node daemons meet |
 | `FANSTORE_MOUNT_BASE` | `/tmp` | prolog mode: where the job's mountpoint is made |
 | `FANSTORE_LOCAL_BASE` | `/tmp` | prolog mode: where the node-local copy is made |
-| `FANSTORE_SRUN_MPI` | `$SLURM_MPI_TYPE`, else pmi2 | srun's `--mpi` plugin for the daemons |
+| `FANSTORE_MPIEXEC` | (found) | the `mpiexec` of `mount --ranks` (by default the MPI library's own) |
+| `FANSTORE_SRUN_MPI` | (found) | `srun --mpi` plugin in a Slurm job (default: pmix for Open MPI, else pmi2) |
 | `FANSTORE_TENSORIO_TOOL` | (measured) | tensor I/O: force one transfer tool |
 | `FANSTORE_TENSORIO_DB` | `~/.cache/...` | tensor I/O: the selector's measurements |
 
@@ -43,6 +44,7 @@ ENV = {
     "rendezvous_dir": "FANSTORE_RENDEZVOUS_DIR",
     "mount_base": "FANSTORE_MOUNT_BASE",
     "local_base": "FANSTORE_LOCAL_BASE",
+    "mpiexec": "FANSTORE_MPIEXEC",
     "srun_mpi": "FANSTORE_SRUN_MPI",
     "tensorio_tool": "FANSTORE_TENSORIO_TOOL",
     "tensorio_db": "FANSTORE_TENSORIO_DB",
@@ -89,6 +91,7 @@ class Settings:
     rendezvous_dir: str = ""
     mount_base: str = "/tmp"
     local_base: str = "/tmp"
+    mpiexec: str = ""
     srun_mpi: str = ""
     tensorio_tool: str = ""
     tensorio_db: str = ""

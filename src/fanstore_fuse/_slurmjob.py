@@ -22,6 +22,7 @@ import pwd
 import re
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 
 from ._errors import FanstoreError
@@ -31,8 +32,12 @@ PREFIX = "fanstore:"
 JOB_DIR = "/run/fanstore-fuse/jobs"
 KEYS = {"mnt", "local", "replicas", "stage_out", "read_only", "write_quota", "cache_size", "timeout",
         "rendezvous"}
-PASS_ENV = ("PATH", "LANG", "LC_ALL")
-PASS_PREFIXES = ("UCX_", "FI_", "MPIR_CVAR_")
+# What of the prolog's environment reaches the daemons: the site's MPI and network settings
+# (Open MPI, PMIx, Intel MPI, MVAPICH, MPICH, hydra, UCX, libfabric) and the MPI knobs of
+# fanstore-fuse (FANSTORE_MPIEXEC, FANSTORE_SRUN_MPI).
+PASS_ENV = ("PATH", "LANG", "LC_ALL", "LD_LIBRARY_PATH", "FANSTORE_MPIEXEC", "FANSTORE_SRUN_MPI")
+PASS_PREFIXES = ("UCX_", "FI_", "MPIR_CVAR_", "OMPI_", "PMIX_", "I_MPI_", "MV2_",
+                 "MPICH_", "HYDRA_")
 
 
 @dataclass
@@ -211,10 +216,7 @@ def remove_record(plan: JobPlan) -> None:
 
 def run_as_user(plan: JobPlan, verb: str, timeout: float) -> subprocess.CompletedProcess[str]:
     """`fanstore-fuse VERB --plan JSON` as the job user, in a clean environment."""
-    env = {k: v for k, v in os.environ.items() if k in PASS_ENV or k.startswith(PASS_PREFIXES)}
-    env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
-    env.update(FANSTORE_STATE_DIR=plan.state_dir, TMPDIR="/tmp", USER=plan.user,
-               LOGNAME=plan.user, HOME=_home(plan.uid))
+    env = user_env(plan, os.environ)
     cmd = [sys.executable, "-m", "fanstore_fuse", verb, "--plan", plan.to_json()]
     kw: dict[str, object] = {}
     if os.geteuid() == 0 and plan.uid != 0:
@@ -226,6 +228,16 @@ def run_as_user(plan: JobPlan, verb: str, timeout: float) -> subprocess.Complete
     except PermissionError as e:
         raise FanstoreError(f"cannot run {sys.executable} as {plan.user} ({e.strerror}): install "
                             "fanstore-fuse where job users can run it") from None
+
+
+def user_env(plan: JobPlan, environ: Mapping[str, str]) -> dict[str, str]:
+    """The job-user side's environment: what the site set for MPI and the network (PASS_ENV,
+    PASS_PREFIXES) out of the prolog's, and the job user's own names."""
+    env = {k: v for k, v in environ.items() if k in PASS_ENV or k.startswith(PASS_PREFIXES)}
+    env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+    env.update(FANSTORE_STATE_DIR=plan.state_dir, TMPDIR="/tmp", USER=plan.user,
+               LOGNAME=plan.user, HOME=_home(plan.uid))
+    return env
 
 
 def _home(uid: int) -> str:
@@ -286,10 +298,14 @@ def _undo(plan: JobPlan, remove_mountpoint: bool) -> None:
 
 
 def remove_rendezvous(path: str) -> None:
-    """Remove a meeting dir's own files (port name, arrival marks), then the dir if empty."""
+    """Stop the meeting dir's `ompi-server` (Open MPI), remove its own files (port name, arrival
+    marks, the server's URI and pid), then the dir if empty."""
+    from ._mpilib import stop_ompi_server
+
+    stop_ompi_server(path)
     with contextlib.suppress(OSError):
         for name in os.listdir(path):
-            if name.startswith(("port", "arrived-")):
+            if name.startswith(("port", "arrived-", "ompi-server.")):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(path, name))
         os.rmdir(path)

@@ -150,6 +150,7 @@ def mount(
     nodes: int = typer.Option(1, "--nodes", help="with --join: number of nodes"),
     join_timeout: float = typer.Option(120.0, "--join-timeout", help="seconds to wait for all nodes"),
     mpi: bool = typer.Option(False, "--mpi", hidden=True),
+    world: int = typer.Option(0, "--world", hidden=True),
     ready_file: str | None = typer.Option(None, "--ready-file", hidden=True),
     progress_file: str | None = typer.Option(None, "--progress-file", hidden=True),
 ) -> None:
@@ -225,7 +226,7 @@ def mount(
         replicas=replicas, warm_metadata=warm_metadata, peer_timeout=peer_timeout,
         writable=not read_only, write_quota=_parse_size(write_quota),
         progress_file=progress_file, join=join, node_index=node_index, nodes=nodes,
-        join_timeout=join_timeout, stage_out=stage_out, cache_size=cache_size,
+        join_timeout=join_timeout, stage_out=stage_out, cache_size=cache_size, world=world,
     )
     raise typer.Exit(serve(cfg))
 

@@ -1,6 +1,7 @@
 """Job-script mode on a real 3-node Slurm cluster: scripts/slurm/job.sbatch as shipped, with
-`fanstore-fuse mount` inside the job (srun --mpi=pmi2), a byte-for-byte check on every node,
-`status`, one umount that ends every node, and nothing left behind on any node."""
+`fanstore-fuse mount` inside the job (srun --mpi=pmi2 for MPICH, pmix for Open MPI), a
+byte-for-byte check on every node, `status`, one umount that ends every node, and nothing left
+behind on any node."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from _harness import build_tree, prep_cli
 from _slurm import REPO, job_env
 
+from fanstore_fuse import _mpilib
 from fanstore_fuse._node import BlobCache
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mount, pytest.mark.mpi]
@@ -125,8 +127,9 @@ def test_four_readers_per_node_wake_the_extra_request_thread(slurm_cluster, shar
 
 @pytest.mark.timeout(180)
 def test_ranks_that_do_not_meet_fail_with_one_clear_line(slurm_cluster, shared_dir):
-    """srun --mpi=none with the mpich wheel: every task is a world of one. `mount` must say so
-    and mount nothing, not start three one-rank file systems."""
+    """srun --mpi=none: every task would be a world of one. `mount` must say so before MPI_Init,
+    naming the plugin the library needs, and mount nothing, not start three one-rank file
+    systems."""
     c = slurm_cluster
     _, dest = _dataset(shared_dir)
     res = c.submit(JOB, f"--nodes={c.nodes}", f"--chdir={shared_dir}",
@@ -136,6 +139,8 @@ def test_ranks_that_do_not_meet_fail_with_one_clear_line(slurm_cluster, shared_d
     assert res.state == "FAILED", str(res)
     errors = [ln for ln in res.output.splitlines() if ln.startswith("fanstore-fuse: ")]
     assert len(errors) == 1, res.output
-    assert f"MPI sees a world of 1 rank(s) but srun started {c.nodes} tasks" in errors[0]
+    lib = _mpilib.library()
+    assert f"{lib.name} needs PMI" in errors[0] and f"to start {c.nodes} ranks together" in errors[0]
+    assert f"FANSTORE_SRUN_MPI={_mpilib.srun_preferences(lib)[0]}" in errors[0], errors
     assert "mounted" not in res.output.replace("unmounted", "")
     _nothing_left(c, res.job_id)
