@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # builds mpi4py against the site's MPI instead (README; `make test-openmpi` does that here).
 EXTRAS ?= test,bench,tensor,mpich
 
-.PHONY: all deps venv install demo test test-openmpi test-fast lint bench bench-quick bench-metadata bench-cost bench-epoch2 clean pjdfstest
+.PHONY: all deps venv install demo test test-sanitize test-openmpi test-fast lint bench bench-quick bench-metadata bench-cost bench-epoch2 clean pjdfstest
 
 all: test
 
@@ -41,6 +41,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider --durations=20
+
+# Native code under the sanitizers (issue 49): fails if C/C++/Cython appears under src/, then
+# builds the patched pyfuse3 with -Werror and ASan+UBSan into a throwaway venv
+# (/tmp/fanstore-sanitize-venv) and runs tests/test_pyfuse3_api.py and pyfuse3's own tests on it;
+# any sanitizer report fails (scripts/test-sanitize.sh). About a minute.
+test-sanitize: $(STAMP)
+	bash scripts/test-sanitize.sh python3
 
 # The multi-rank tests again with Debian's Open MPI instead of the mpich wheel: a second venv
 # ($(OMPI_VENV), no mpich extra) with mpi4py built from source against Open MPI, once; the built

@@ -7,8 +7,10 @@
 # see scripts/pyfuse3/README.md) and pip-installs it; Cython runs at build time.
 # Skips when VENV_PYTHON's pyfuse3 already has Operations.inode_fh_without_open, unless it is
 # a build of another revision of the patch (PYFUSE3_PATCH_FORCE=1 rebuilds anyway). Needs a C
-# compiler, pkg-config and libfuse3-dev (scripts/install-deps.sh). On failure: one line on
-# stderr, exit 1.
+# compiler, pkg-config and libfuse3-dev (scripts/install-deps.sh). CFLAGS in the environment
+# reach the compiler and the linker (make test-sanitize builds with -Werror and the sanitizers
+# that way); PYFUSE3_SRC_OUT=DIR keeps a copy of the patched sources. On failure: one line
+# on stderr, exit 1.
 set -euo pipefail
 
 VERSION=3.5.0
@@ -26,9 +28,16 @@ PY="$1"
 # `pyfuse3==3.5.0` still matches it (PEP 440 ignores a local label when the specifier has none).
 LOCAL_VERSION="$VERSION+publicapi.$(sha256sum "$PATCH" | cut -c1-8)"
 
+# A build with sanitizers in CFLAGS (make test-sanitize) imports only with their runtimes
+# preloaded: ASan must come first in the process.
+PRELOAD=""
+case " ${CFLAGS:-} " in *-fsanitize=*address*) PRELOAD="$("${CC:-gcc}" -print-file-name=libasan.so)" ;; esac
+case " ${CFLAGS:-} " in *-fsanitize=*undefined*) PRELOAD="$PRELOAD $("${CC:-gcc}" -print-file-name=libubsan.so)" ;; esac
+PRELOAD="${PRELOAD# }"
+
 # The installed pyfuse3's version when it has the API, else nothing.
 api_version() {
-  "$PY" -c 'import importlib.metadata as m, pyfuse3
+  env ${PRELOAD:+LD_PRELOAD="$PRELOAD" ASAN_OPTIONS=detect_leaks=0} "$PY" -c 'import importlib.metadata as m, pyfuse3
 if hasattr(pyfuse3.Operations, "inode_fh_without_open"): print(m.version("pyfuse3"))' 2>/dev/null || true
 }
 if [ "${PYFUSE3_PATCH_FORCE:-0}" != 1 ]; then
@@ -71,6 +80,10 @@ if command -v patch >/dev/null 2>&1; then
   step "applying $PATCH" patch -p1 --forward --batch -d "$SRC" -i "$PATCH"
 else
   step "applying $PATCH" git -C "$SRC" apply -p1 "$PATCH"
+fi
+# PYFUSE3_SRC_OUT=DIR: a copy of the patched source tree (pyfuse3's own tests are in its test/).
+if [ -n "${PYFUSE3_SRC_OUT:-}" ]; then
+  step "copying the patched source to $PYFUSE3_SRC_OUT" cp -a "$SRC" "$PYFUSE3_SRC_OUT"
 fi
 # The sdist ships the C file that Cython generated from the unpatched sources; without it the
 # build has to run Cython on the patched ones.
