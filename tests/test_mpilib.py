@@ -237,7 +237,7 @@ def test_the_prolog_passes_the_sites_mpi_environment():
             "I_MPI_FABRICS": "shm:ofi", "MV2_USE_CUDA": "0", "MPICH_OFI_NIC_POLICY": "NUMA",
             "HYDRA_LAUNCHER": "fork", "UCX_TLS": "tcp,self", "FI_PROVIDER": "tcp",
             "MPIR_CVAR_CH4_NETMOD": "ofi", "FANSTORE_MPIEXEC": "/opt/bin/mpiexec",
-            "FANSTORE_SRUN_MPI": "pmix", "FANSTORE_MPI_EAGER": "0", "LD_PRELOAD": "/x.so",
+            "FANSTORE_SRUN_MPI": "pmix", "LD_PRELOAD": "/x.so",
             "SECRET_TOKEN": "x", "SLURM_JOB_ID": "1"}
     env = user_env(plan, site)
     for k in site:

@@ -49,8 +49,8 @@ def _chunks(size: int) -> int:
 def test_chunk_larger_than_the_cache_is_fetched_once(tmp_path: Path, mount_factory):
     files = _write(tmp_path / "src")
     dest = prep_cli(tmp_path / "src", tmp_path / "dest", "-p", "2", "--chunk-mib", str(CHUNK_MIB))
-    # 256 KiB of blob cache (64 KiB of frame cache): no chunk and no 128 KiB frame fits.
-    # Python's read path (the C shim reads held blobs by frames and caches nothing itself).
+    # 256 KiB of blob cache: no chunk fits. Sequential readers take whole blobs (the frame
+    # cache, of a fixed size, serves partial reads of framed blobs only).
     m = mount_factory(dest, env={"FANSTORE_CACHE_BYTES": str(256 << 10)})
 
     def fetches() -> int:

@@ -121,8 +121,8 @@ def test_written_on_one_rank_read_on_another_after_close(dest: Path, tmp_path: P
     with pytest.raises(OSError) as ei:
         open(r0 / "ckpt" / "epoch0.pt", "wb")  # the truncation
     assert ei.value.errno == errno.EPERM
-    # files open without OPEN (FANSTORE_NO_OPEN, the default): the open itself succeeds, the
-    # first write fails
+    # files open without OPEN (with the patched pyfuse3, the default): the open itself
+    # succeeds, the first write fails
     assert first_write_errno(r0 / "ckpt" / "epoch0.pt") == errno.EPERM
     assert (r0 / "ckpt" / "epoch0.pt").read_bytes() == written["ckpt/epoch0.pt"]
     os.rename(r1 / "ckpt" / "epoch2.pt", r1 / "ckpt" / "last.pt")

@@ -52,7 +52,8 @@ def thread_cpu_s(column: int = 0) -> dict[str, float]:
     """Seconds of this process's threads summed by name, from each thread's schedstat (exact ns,
     where /proc/PID/task/TID/stat counts 10 ms ticks): column 0 on a CPU, 1 runnable but waiting
     for one. Python threads by their `threading` name up to its first "_" or " " (the OS shows
-    them all as the interpreter's), C threads by their own (fanstore-fuse0, fsr-remote, ...)."""
+    them all as the interpreter's), threads started outside `threading` (trio's worker threads,
+    MPI's own progress threads) by the name the OS shows for them."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     out: dict[str, float] = {}
     try:

@@ -448,7 +448,7 @@ def _stageout_requests(key: str, others: list[int], hosts: list[str], transport:
 
 
 def setup_logging(debug: bool = False) -> None:
-    faulthandler.enable()  # a crash in C code logs every thread's Python stack before dying
+    faulthandler.enable()  # a crash in a library (libfuse, MPI) logs every thread's Python stack
     logging.basicConfig(
         level=logging.DEBUG if debug else logging.INFO,
         format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s",

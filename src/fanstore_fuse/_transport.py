@@ -66,8 +66,8 @@ IO_THREADS = 4  # threads reading the disk for inline requests the page cache ca
 
 # MPICH's shared-memory path between ranks of one host sends a message of 8 KiB or more by CMA
 # (the receiver copies it with process_vm_readv, then acknowledges): the sender's request ends
-# only when its progress sees that acknowledgement, so the C remote thread of a rank serving a
-# small blob woke 2-3 more times per reply to test it (docs/performance.md, seventh session).
+# only when its progress sees that acknowledgement, so a rank serving a small blob has to wake
+# again to test each reply's send before it is done with it.
 # Below EAGER_BYTES a reply is copied into a shared-memory cell instead and its send is
 # complete at once; larger ones (chunks of large files) keep the single copy of CMA.
 EAGER_BYTES = 256 << 10
@@ -94,11 +94,11 @@ def mpich_shm_defaults(environ: Any = os.environ) -> None:
 
 # Between nodes MPICH's OFI netmod runs over libfabric's TCP provider, which keeps a message that
 # arrives before a receive is posted for it ("unexpected") in a buffer of its own and copies it
-# out when it is matched. Every reply the remote threads take is unexpected (they match with
-# `Improbe` + `Mrecv`), so each 4 MiB chunk read from a peer was copied once more on the reading
-# node, a memcpy under `PMPI_Mrecv` (found with gdb on the Slurm test cluster, thirtieth
-# session). Above FI_TCP_MAX_SAVED_SIZE the provider sends a ready-to-send instead, and the data
-# follows into the matched buffer once it is claimed (its rendezvous protocol). Replies of whole
+# out when it is matched. Every reply a daemon takes is unexpected (it matches with `Improbe` +
+# `Mrecv`), so without this each 4 MiB chunk read from a peer is copied once more on the reading
+# node (a memcpy under `PMPI_Mrecv`; `perf record -g` on a remote pass shows it). Above
+# FI_TCP_MAX_SAVED_SIZE the provider sends a ready-to-send instead, and the data follows into
+# the matched buffer once it is claimed (its rendezvous protocol). Replies of whole
 # small blobs (up to EAGER_BYTES) stay eager: a copy of them costs less than a round trip.
 TCP_SAVED_BYTES = EAGER_BYTES + (4 << 10)
 
