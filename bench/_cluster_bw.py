@@ -10,7 +10,7 @@ Starts a 2-node cluster (scripts/minicluster/) and runs one batch job on it:
 2. the daemon's transport without FUSE, as ``make bench-quick`` measures it on shared memory:
    ``bench/_transport_bw.py`` under ``srun -N2`` over the same prepped dataset (its own raw
    mpi4py stream first, then 4 MiB blobs held by rank 1 fetched by rank 0, 4 in flight, through
-   Python's blob source and as READs in C fetch them);
+   the rank's blob source);
 3. ``fanstore-fuse mount`` of a prepped dataset of two incompressible files (job-script mode,
    ``--replicas 1``), then on n1 (rank 1), each cold: the 4 MiB chunks of file ``a`` that rank 0
    holds, read alone ("remote": every byte comes over MPI), and all of file ``b`` ("whole":
@@ -20,18 +20,18 @@ Starts a 2-node cluster (scripts/minicluster/) and runs one batch job on it:
    Each read also reports the machine's busy and idle CPU seconds, the CPU seconds of every
    thread on the reading node, and the status counters that moved on each rank; ``--perf DIR``
    adds a ``perf record -a -g`` of the machine per read (kept in DIR; the reports' first rows).
-   The reader runs with ``OPENBLAS_NUM_THREADS=1``: without it the reading process had a second,
-   non-Python thread (numpy's OpenBLAS pool, started at import) that took 42-54 ms of CPU
-   during the remote pass, which starts right after the imports.
+   The reader runs with ``OPENBLAS_NUM_THREADS=1``: otherwise numpy's OpenBLAS pool, started at
+   import, adds threads of its own to the reading process's CPU figures.
 
 ``summary``: every path's MB/s over the best raw MPI figure of the job (``over_raw``).
 Prints one JSON object. The machine is shared: compare figures of one run, not across runs.
 
 ``python -m bench._cluster_bw transport --runs N [--ab K=V[,K2=V2]] ...`` runs step 2 alone, N
-times for the job's environment and N times for each ``--ab`` environment, alternated in one job
-(the arms see the same machine), and prints each arm's medians: the raw stream, both transport
-paths' MB/s and their ratio to it, and the remote thread's CPU per GB on the fetching rank
-("client") and the serving one.
+times for the job's environment and N times for each ``--ab`` environment (MPI or libfabric
+variables, e.g. ``FI_TCP_MAX_SAVED_SIZE=0``), alternated in one job (the arms see the same
+machine), and prints each arm's medians: the raw stream, the transport's MB/s and its ratio to
+it, and the CPU per GB of all threads and of the MPI thread (``fanstore-mpi``) on the fetching
+rank ("client") and the serving one.
 """
 
 from __future__ import annotations
@@ -228,9 +228,8 @@ def summarize(out: dict) -> dict:
         return {}
     anchor = max(raw.values())
     paths: dict[str, float] = {}
-    for key, name in (("c_large", "transport_c_reads"), ("large", "transport_python")):
-        if isinstance(t.get(key), dict) and "MB_per_s" in t[key]:
-            paths[name] = t[key]["MB_per_s"]
+    if isinstance(t.get("large"), dict) and "MB_per_s" in t["large"]:
+        paths["transport"] = t["large"]["MB_per_s"]
     r = out.get("read") or {}
     for key in ("remote", "whole", "local"):
         if isinstance(r.get(key), dict):
@@ -291,16 +290,18 @@ def _cluster_with_dataset(root: str, size_mib: int, names: tuple[str, ...]):
 
 
 def _transport_figures(t: dict) -> dict:
-    """One `_transport_bw` run: MB/s, ratios to its raw stream, remote threads' ms per GB."""
+    """One `_transport_bw` run: MB/s, its ratio to the raw stream, CPU ms per GB by side (all
+    threads, and the MPI thread)."""
     raw = t["raw_stream_MB_per_s"]
     out = {"raw": raw}
-    for key, name in (("large", "python"), ("c_large", "c")):
-        d = t.get(key) or {}
-        if "MB_per_s" in d:
-            out[f"{name}_MB_per_s"] = d["MB_per_s"]
-            out[f"{name}_over_raw"] = d["MB_per_s"] / raw
-            out[f"{name}_client_remote_ms_per_GB"] = d["client_threads_ms_per_GB"].get("fsr-remote", 0)
-            out[f"{name}_server_remote_ms_per_GB"] = d["server_threads_ms_per_GB"].get("fsr-remote", 0)
+    d = t.get("large") or {}
+    if "MB_per_s" in d:
+        out["MB_per_s"] = d["MB_per_s"]
+        out["over_raw"] = d["MB_per_s"] / raw
+        for side in ("client", "server"):
+            threads = d.get(f"{side}_threads_ms_per_GB") or {}
+            out[f"{side}_ms_per_GB"] = sum(threads.values())
+            out[f"{side}_mpi_thread_ms_per_GB"] = threads.get("fanstore-mpi", 0)
     return out
 
 
@@ -365,7 +366,7 @@ def main() -> None:
     ap.add_argument("action", nargs="?", default="run", choices=["run", "read", "transport"])
     ap.add_argument("--runs", type=int, default=3, help="transport: runs per arm")
     ap.add_argument("--ab", action="append", default=[], metavar="K=V[,K2=V2]",
-                    help="transport: another arm, with this environment")
+                    help="transport: another arm, with this MPI/libfabric environment")
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--dir", default="/var/tmp/slurm-bw")
     ap.add_argument("--mnt")

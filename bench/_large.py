@@ -63,8 +63,8 @@ def read_chunks(path: str, chunks: list[int], chunk: int = 4 << 20, step: int = 
 def run_large(work: Path, src: Path, rounds: int) -> dict:
     """Remote large reads against raw MPI, same run, same `mpiexec` of the wheel, same env:
     `bench._transport_bw` (raw mpi4py stream of 4 MiB messages, then the daemon's transport
-    fetching the same blobs, each run 5 rounds of them: through Python's blob source, the bar's
-    figure, then as READs in C fetch them), and a 2-rank mount read through
+    fetching the same blobs through its blob source, each run 5 rounds of them: the bar's
+    figure), and a 2-rank mount read through
     rank 0, chunks held by rank 1 only: cold (drop_caches: the server reads its disk), then
     with the server's page cache warm (the client's dropped by fadvise; its blob cache of 8
     chunks holds none of them when they are read again: every chunk travels). Beside them, the
@@ -99,9 +99,6 @@ def run_large(work: Path, src: Path, rounds: int) -> dict:
         out["transport"] = best[len(best) // 2]
         out["transport_ratio_runs"] = [round(d["large"]["MB_per_s"] / d["raw_stream_MB_per_s"], 3)
                                        for d in runs]
-        if all("c_large" in d for d in runs):  # the transport as READs in C use it
-            out["c_transport_ratio_runs"] = [round(d["c_large"]["MB_per_s"] / d["raw_stream_MB_per_s"], 3)
-                                             for d in runs]
     chunks = remote_chunks(ldest, rel)
     out.update(local_large(work, ldest, rel, chunks, rounds))
     # a blob cache of 8 chunks: one smaller than a chunk would fetch the chunk again per 128 KiB read
@@ -115,9 +112,10 @@ def run_large(work: Path, src: Path, rounds: int) -> dict:
         out["fuse_warm_server_runs"] = [round(x) for x in warm]
         out["chunks"] = len(chunks)
         out["command"] = fan.command
-        c = json.loads(os.getxattr(fan.mps[0], "user.fanstore.status"))["ranks"][0].get("c_remote", {})
-        out["rank0_c_remote"] = {k: c.get(k) for k in ("c_reads", "c_range_reads", "c_read_fallbacks",
-                                                        "fetched_bytes", "corrupt")}
+        r0 = json.loads(os.getxattr(fan.mps[0], "user.fanstore.status"))["ranks"][0]
+        out["rank0_stats"] = {k: r0["stats"].get(k) for k in ("reads", "read_bytes", "remote_reads",
+                                                               "remote_bytes", "errors")}
+        out["rank0_mpi_bytes_received"] = r0.get("mpi_bytes_received")
     finally:
         fan.close()
     return out
@@ -145,18 +143,10 @@ def print_large(lg: dict) -> None:
           f"({lg.get('chunks')}), 2 ranks of the wheel's mpiexec:")
     if raw:
         print(f"    raw mpi4py stream of {t['raw_message_bytes']} B messages: {raw:,.0f} MB/s; "
-              f"the daemon's transport through Python's blob source (fetch + verify, "
+              f"the daemon's transport through its blob source (fetch + verify, "
               f"{t['large']['window']} in flight; random reads with the disk cache, fallbacks): "
               f"{t['large']['MB_per_s']:,.0f} MB/s = {t['large']['MB_per_s'] / raw:.2f}x "
               f"(runs {lg['transport_ratio_runs']}; bar >= 0.5x)")
-        if "c_large" in t:
-            c = t["c_large"]
-            # the median of the C path's own runs (the run shown above is Python's median run)
-            cr = sorted(lg["c_transport_ratio_runs"])[len(lg["c_transport_ratio_runs"]) // 2]
-            print(f"    the same blobs fetched as READs in C fetch them (sequential readers; "
-                  f"no Python per blob): median {cr:.2f}x (runs {lg['c_transport_ratio_runs']}; "
-                  f"bar >= 0.5x); in Python's median run {c['MB_per_s']:,.0f} MB/s = "
-                  f"{c['MB_per_s'] / raw:.2f}x")
         print(f"    through FUSE (rank 0's mount, 1 MiB preads): cold {lg['fuse_cold_MB_per_s']:,.0f} "
               f"MB/s = {lg['fuse_cold_MB_per_s'] / raw:.2f}x, server page cache warm "
               f"{lg['fuse_warm_server_MB_per_s']:,.0f} MB/s = "

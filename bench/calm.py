@@ -67,6 +67,9 @@ def _set(knobs: dict[Path, str], old: dict[Path, str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
     hold = 300000
     prefault = 6
     while len(args) > 1 and args[0] in ("--hold-ms", "--prefault-gib"):

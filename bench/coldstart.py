@@ -6,16 +6,15 @@ bench.smallfile's 4 readers) reads bench.cost's tree (N files of 90-130 KB, shuf
 file by file with ``os.open`` / ``readv`` of 1 MiB / ``close``, from:
 - ``ext4``: the source tree itself after drop_caches (no FUSE, the disk's own random reads);
 - ``cold``: a fresh 1-rank fanstore-fuse mount after drop_caches (what bench.smallfile's cold
-  cells measure): the first reads find the local copy cold, then the daemon streams the copy
-  into the page cache (``_shim_stream.c``) while the reader goes on;
+  cells measure): every blob is read from the cold local copy;
 - ``copy cached``: a fresh mount whose local copy was read into the page cache first (the
   kernel's side is still empty: every LOOKUP, OPEN and READ reaches the daemon), the cold pass
   with a disk that costs nothing.
 Each pass prints its files/s, the mean time per file in open / read / close, the files read in
-each 50 ms of the pass (the stream's start shows as a dip: reads that miss the page cache then
-wait behind the stream's requests), the stream's counters and thread CPU, and how much of the
-page cache is in 2 MiB folios afterwards (`FileHugePages`). ``--ab`` adds
-passes with that daemon environment (interleaved; ``--ab-copy``: copy cached ones too).
+each 50 ms of the pass, what the daemon's `status` counted (FUSE requests, reads, local reads,
+cache hits, errors) and its CPU, and how much of the page cache is in 2 MiB folios afterwards
+(`FileHugePages`). ``--ab`` adds passes with other settings (`Settings` variables such as
+``FANSTORE_READAHEAD_CHUNKS=0``; interleaved; ``--ab-copy``: copy cached ones too).
 Absolute rates swing between runs on this VM: compare the kinds within one run.
 """
 
@@ -105,7 +104,7 @@ def read_pass(root: str, rels: list[str], readers: int = 1) -> dict:
     timeline = [0] * (int(end / BUCKET) + 1)
     for t in f["done"]:
         timeline[int(t / BUCKET)] += 1
-    # the later half of the files by completion: after the stream's start, if there was one
+    # the later half of the files by completion: once the pass has settled
     late = sorted(r for d, r in sorted(zip(f["done"], f["read"]))[n // 2:])
     return {"files_per_s": n / end, "open_us": sum(f["open"]) / n * 1e6,
             "read_us": sum(f["read"]) / n * 1e6, "close_us": sum(f["close"]) / n * 1e6,
@@ -113,24 +112,25 @@ def read_pass(root: str, rels: list[str], readers: int = 1) -> dict:
             "late_slow_reads": sum(1 for t in late if t > SLOW_READ) / len(late)}
 
 
-def stream_figures(fan: Fan, before: CpuSnapshot) -> dict:
-    """The stream's counters (status) and its thread's CPU since `before` (bench.cost's
-    schedstat by thread)."""
+STATS = ("requests", "reads", "local_reads", "cache_hits", "errors")
+
+
+def daemon_figures(fan: Fan, before: CpuSnapshot) -> dict:
+    """The daemon's counters (`status`, fresh mount: the pass's own) and its CPU since `before`
+    (bench.cost's schedstat by thread, summed)."""
     out: dict = {}
     try:
-        st = json.loads(os.getxattr(fan.mps[0], "user.fanstore.status"))
-        shim = st["ranks"][0].get("fuse_shim", {})
-        out = {k: shim[k] for k in ("stream_runs", "stream_bytes", "stream_ns", "stream_cold") if k in shim}
+        st = json.loads(os.getxattr(fan.mps[0], "user.fanstore.status"))["ranks"][0]["stats"]
+        out = {k: st[k] for k in STATS if k in st}
     except (OSError, ValueError, KeyError, IndexError):
         pass
-    out["stream_cpu_ms"] = cpu_by_thread(before, fan.pids()).get("r0:fsr-stream", 0.0) * 1e3
+    out["daemon_cpu_ms"] = sum(cpu_by_thread(before, fan.pids()).values()) * 1e3
     return out
 
 
 def file_huge_mib() -> float:
     """The page cache in 2 MiB folios, machine-wide (`FileHugePages` of /proc/meminfo): after a
-    pass, most of it is the local copy's (the stream's MADV_HUGEPAGE windows); a copy whose cold
-    reads left small folios behind has less."""
+    pass, most of it is the local copy's."""
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("FileHugePages:"):
@@ -149,7 +149,7 @@ def fan_pass(work: Path, dest: Path, rels: list[str], env: dict, copy_cached: bo
         cpu0 = cpu_snapshot(fan.pids())
         r = read_pass(fan.mps[0], rels, readers)
         r["vm"] = _vmnoise.since(vm0)
-        r.update(stream_figures(fan, cpu0))
+        r.update(daemon_figures(fan, cpu0))
         r["file_huge_mib"] = file_huge_mib()
         return r
     finally:
@@ -158,11 +158,10 @@ def fan_pass(work: Path, dest: Path, rels: list[str], env: dict, copy_cached: bo
 
 def show(name: str, r: dict) -> None:
     extra = ""
-    if "stream_bytes" in r:
-        extra = (f"; {r.get('stream_runs', 0)} stream(s) after {r.get('stream_cold', 0)} cold reads, "
-                 f"{r['stream_bytes'] / 1e6:,.0f} MB in {r.get('stream_ns', 0) / 1e6:,.0f} ms"
-                 f", its thread {r.get('stream_cpu_ms', 0):,.0f} ms CPU"
-                 f", {r.get('file_huge_mib', 0):,.0f} MiB of the page cache in 2 MiB folios")
+    if "daemon_cpu_ms" in r:
+        extra = ("; daemon: " + ", ".join(f"{k} {r[k]:,}" for k in STATS if k in r)
+                 + f", {r['daemon_cpu_ms']:,.0f} ms CPU"
+                 f"; {r.get('file_huge_mib', 0):,.0f} MiB of the page cache in 2 MiB folios")
     print(f"  {name:28} {r['files_per_s']:>7,.0f} files/s; per file open {r['open_us']:,.0f} "
           f"read {r['read_us']:,.0f} close {r['close_us']:,.0f} us{extra}"
           f"{_vmnoise.describe(r.get('vm', {}))}")
@@ -178,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--readers", type=int, default=1,
                     help="forked readers, each every K-th file of the order (default 1)")
-    ap.add_argument("--ab", action="append", default=[], metavar="KEY=VALUE[,K2=V2]")
+    ap.add_argument("--ab", action="append", default=[], metavar="KEY=VALUE[,K2=V2]",
+                    help="also passes with these settings (FANSTORE_* variables)")
     ap.add_argument("--ab-copy", action="store_true",
                     help="also a copy cached pass with each --ab environment")
     args = ap.parse_args(argv)

@@ -1,6 +1,6 @@
 """What a copy's alignment costs on this machine: ``python -m bench.copy_align [--work DIR]``.
 
-Why blob data sits on 64-byte boundaries (`_format.DATA_ALIGN`) and the C buffers are 64-aligned.
+Why blob data sits on 64-byte boundaries (`_format.DATA_ALIGN`).
 Three copies a read makes, each timed with its destination a few bytes past its source modulo
 the page size (4 KiB), in one run (ratios against offset 0, the anchor). On AMD EPYC a `rep movsb`
 copy (glibc's memcpy of 2 KiB..~1 MiB, every kernel copy to or from user memory) whose

@@ -99,8 +99,8 @@ def cpu_since_by_pid(before: CpuSnapshot) -> dict[int, float]:
 
 def cpu_by_thread(before: CpuSnapshot, pids: list[int]) -> dict[str, float]:
     """CPU seconds since `before` of the threads of `pids` (in this order: "r0", "r1", ...),
-    summed by thread name (`comm`: trio's and the cache writer's are "python3", the C read pool's
-    too), e.g. {"r0:fanstore-fuse0": 0.21, "r0:python3": 0.08}."""
+    summed by thread name (`comm`: the OS name, "python3" for the interpreter's threads, whose
+    `threading` names the OS does not see), e.g. {"r0:python3": 0.21}."""
     out: dict[str, float] = {}
     for i, pid in enumerate(pids):
         ns0 = before.get(pid, (0.0, {}))[1]
@@ -270,11 +270,10 @@ def measure_fan(fan: Fan, root: str, rels: list[str], cold: bool) -> dict:
 WARM_ROUNDS_PER_CYCLE = 7
 
 
-def requests_answered(fan: Fan) -> tuple[int, int]:
-    """FUSE requests the mount's daemon answered so far: (0, all of them; the pair is what
-    the report adds up)."""
+def requests_answered(fan: Fan) -> int:
+    """FUSE requests the mount's daemon answered so far (`status`: `stats.requests`)."""
     stats = json.loads(os.getxattr(fan.mps[0], "user.fanstore.status"))["ranks"][0]["stats"]
-    return 0, stats.get("requests", 0)
+    return int(stats.get("requests", 0))
 
 
 def best_of(fan: Fan, rels: list[str], rounds: int) -> list[dict]:
@@ -419,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
             # the same page-cache bytes, with the same FUSE requests), so every mount takes
             # that place once; and no mount's first warm pass follows another's drop_caches.
             runs: dict[str, list[dict]] = {k: [] for k in fans}
-            asked = {k: [0, 0] for k in fans}  # requests in the measured passes: C, Python
+            asked = {k: 0 for k in fans}  # FUSE requests in the measured passes
             names = list(fans)
             for c in range(len(names)):
                 drop_caches()
@@ -430,11 +429,9 @@ def main(argv: list[str] | None = None) -> int:
                     for k, fan in fans.items():
                         before = requests_answered(fan)
                         runs[k] += best_of(fan, rels, 1)
-                        for i, (a, b) in enumerate(zip(requests_answered(fan), before, strict=True)):
-                            asked[k][i] += a - b
-            for k in fans:  # what each mount was asked per warm file: in C, in Python
-                res[f"{k}_warm_requests_per_file"] = [round(x / (len(rels) * len(runs[k])), 2)
-                                                      for x in asked[k]]
+                        asked[k] += requests_answered(fan) - before
+            for k in fans:  # what each mount was asked per warm file
+                res[f"{k}_warm_requests_per_file"] = round(asked[k] / (len(rels) * len(runs[k])), 2)
             for k, v in runs.items():
                 res[f"{k}_warm"] = median(v)
                 res[f"{k}_warm_runs"] = [round(d["files_per_s"]) for d in v]

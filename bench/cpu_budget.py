@@ -10,8 +10,8 @@ CPU, kernel threads and interrupts; 10 ms ticks, so a ~0.2 s pass on 2 CPUs is g
 and its idle share, and the rate the machine's CPUs would allow at that cost with none idle
 (CPUs / busy per file). Medians of the rounds last. With ``--need FILES_PER_S`` (a bar's rate:
 3x ratarmount's cold 4-reader figure, say) it also prints the busy CPU per file that rate
-leaves on this machine. ``--env K=V`` runs both fanstore-fuse systems with that daemon
-environment (``FANSTORE_FUSE_URING=1``, say); ``--ab K=V`` adds both again with it, interleaved
+leaves on this machine. ``--env K=V`` runs both fanstore-fuse systems with other settings
+(``FANSTORE_CACHE_BYTES=67108864``, say); ``--ab K=V`` adds both again with them, interleaved
 in each round (an A/B of CPU per file, which 2 vCPUs distort less than files/s).
 """
 

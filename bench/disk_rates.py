@@ -1,5 +1,5 @@
-"""The disk's own rates, cold, for what `_shim_stream.c` trades: reading a file front to back
-against reading it as a training epoch does, ~110 KB pieces in random order.
+"""The disk's own rates, cold: reading a file front to back against reading it as a training
+epoch does, ~110 KB pieces in random order (what reading a whole local copy ahead would trade).
 
     python -m bench.disk_rates [--file PATH] [--size MB] [--piece BYTES] [--rounds R]
 
@@ -7,8 +7,8 @@ Root (drops the page cache before each pass). Without --file, writes a file of r
 under /tmp first. Prints MB/s of each pattern and the ratio of each to the random reads of the
 same round:
 - `pread 1 MiB`: sequential reads (the kernel's read-ahead, large folios);
-- `populate 8 MiB`: what the streamer does (a shared mapping of each 8 MiB window, advised
-  MADV_HUGEPAGE and read in with MADV_POPULATE_READ, then unmapped);
+- `populate 8 MiB`: a shared mapping of each 8 MiB window, advised MADV_HUGEPAGE and read in
+  with MADV_POPULATE_READ, then unmapped (filling the page cache in large folios);
 - `random pieces`: pread of whole pieces in random order, each once.
 """
 

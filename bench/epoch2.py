@@ -41,15 +41,15 @@ def shuffled(rels: list[str], seed: int) -> list[str]:
 
 
 def disk_cache(fan: Fan) -> dict:
-    """Rank 0's disk-cache counters (`status`; `hits` includes `c_hits`, the C shim's)."""
+    """Rank 0's disk-cache counters (`status`: `disk_cache`)."""
     st = json.loads(os.getxattr(fan.mps[0], "user.fanstore.status"))
     return st["ranks"][0].get("disk_cache", {})
 
 
 def settled_cache(fan: Fan, timeout: float = 5.0) -> dict:
-    """Rank 0's disk-cache counters once its last offers are in: blobs READs in C fetched are
-    announced to Python in batches (up to 16 blobs or 20 ms later) and written behind the reads,
-    so a snapshot taken at once misses the last few (counted then in the next passes)."""
+    """Rank 0's disk-cache counters once its last offers are in: fetched blobs are written by
+    the cache's writer thread behind the reads, so a snapshot taken at once misses the last few
+    (counted then in the next passes)."""
     last, stable, deadline = None, 0, time.monotonic() + timeout
     while time.monotonic() < deadline:
         now = disk_cache(fan)
@@ -159,7 +159,7 @@ def print_report(res: dict) -> None:
         print(f"  {label} CPU us/file by daemon: {by}; mpiexec+proxy "
               f"{res[key]['cpu_us_per_file_other']:,.0f}")
         threads = sorted(res[key].get("cpu_us_per_file_by_thread", {}).items(), key=lambda kv: -kv[1])
-        print("    by thread (schedstat; python3: trio, the disk cache's writer, C pools): "
+        print("    by thread (schedstat; python3: the interpreter's threads: trio, MPI, disk, cache writer): "
               + ", ".join(f"{k} {v:,.0f}" for k, v in threads if v >= 2))
     print("  epoch 2 CPU us/file by subset (1 rank / 2 ranks, reading rank 0 + rank 1 daemons): "
           + "; ".join(f"{name} files " + " / ".join(
@@ -168,9 +168,8 @@ def print_report(res: dict) -> None:
               for k in ("1rank", "2ranks")) for name in ("held", "cached")))
     c0, c1 = res["cache_after_epoch1"], res["cache_after"]
     print(f"  rank 0 disk cache after epoch 1: {c0}")
-    c_hits = c1.get("c_hits", 0) - c0.get("c_hits", 0)
-    print(f"  epoch-2 passes: {c1.get('hits', 0) - c0.get('hits', 0):,} hits "
-          f"({c_hits:,} answered in C), {c1.get('misses', 0) - c0.get('misses', 0):,} misses")
+    print(f"  epoch-2 passes: {c1.get('hits', 0) - c0.get('hits', 0):,} hits, "
+          f"{c1.get('misses', 0) - c0.get('misses', 0):,} misses")
     lo, e2 = res["local_1rank"], res["epoch2_2ranks"]
     of_medians = e2["files_per_s"] / lo["files_per_s"]
     # the verdict: the median of the paired, back-to-back rounds (load drifts between rounds)

@@ -9,8 +9,8 @@ The sequential jobs (under a second each on the quick files) run `--repeat` time
 5), the systems interleaved, and the median run of each is reported, its runs beside it; their
 bar is the median of the per-round ratios (fanstore-fuse's run over the anchor's run of the same
 round: the VM's disk and memory drift over minutes, seconds-apart runs compare best).
-`--ab KEY=VALUE[,K2=V2]` adds fanstore-fuse mounted with that daemon environment (e.g.
-`FANSTORE_FRAME_PUSH=0`), on the same prepped copy, as another column; `--runtime S` sets the
+`--ab KEY=VALUE[,K2=V2]` adds fanstore-fuse mounted with other settings (e.g.
+`FANSTORE_READAHEAD_CHUNKS=0`), on the same prepped copy, as another column; `--runtime S` sets the
 random jobs' length, `--frame-kib K` preps fanstore-fuse with that frame size. Each FUSE
 daemon's CPU time (user+sys) per fio I/O is printed below the table: wall-clock figures on a
 shared machine swing with its load, the CPU a request costs much less.

@@ -7,10 +7,12 @@ Builds a 256 MiB file (3/4 random, 1/4 text per MiB: framed 4 MiB chunks), preps
 round and per build mounts it with `--ranks 2` twice (disk cache on: the default; off:
 `FANSTORE_CACHE_SIZE=0`) and on rank 0: `dd bs=1M` of the first MIB MiB (pass 1, cold), the
 same again with the page cache dropped (pass 2), then 200 random 128 KiB preads in the second
-half checked against the source. Prints per pass dd's MB/s, the C thread's fetches (`fetched`:
-READs in C and Python's fetches through it), READs in C, Python's fetches, disk-cache hits and
-the two daemons' CPU (utime + stime, /proc/PID/stat) per MiB read. `--build NAME=DIR` (repeatable)
-runs the package found in DIR (PYTHONPATH) too, alternating with the others: A/B in one run.
+half checked against the source. Prints per pass dd's MB/s, rank 0's `status` counters that
+moved (`remote_reads` and `remote_bytes`: fetches from rank 1 or DEST; `local_reads`: from its
+own disk, the disk cache included; `cache_hits`; `dc_hits`: disk-cache hits; MPI bytes
+received) and the two daemons' CPU (utime + stime, /proc/PID/stat) per MiB read.
+`--build NAME=DIR` (repeatable) runs the package found in DIR (PYTHONPATH) too, alternating
+with the others: A/B in one run.
 """
 
 from __future__ import annotations
@@ -85,10 +87,10 @@ def cpu_s(pids: list[int]) -> float:
 
 
 def counts(r: dict) -> dict[str, int]:
-    c, s, d = r.get("c_remote", {}), r["stats"], r.get("disk_cache", {})
-    return {"fetched": c.get("fetched", 0), "c_reads": c.get("c_reads", 0),
-            "py_fetches": s.get("c_remote_reads", 0), "dc_hits": d.get("hits", 0),
-            "ahead_in_c": s.get("ahead_in_c", 0), "copies": s.get("c_chunk_copies", 0)}
+    s, d = r["stats"], r.get("disk_cache", {})
+    return {"remote_reads": s.get("remote_reads", 0), "remote_bytes": s.get("remote_bytes", 0),
+            "local_reads": s.get("local_reads", 0), "cache_hits": s.get("cache_hits", 0),
+            "dc_hits": d.get("hits", 0), "mpi_bytes_received": r.get("mpi_bytes_received", 0)}
 
 
 def one(work: str, dest: str, big: str, mib: int, env: dict[str, str], label: str) -> None:

@@ -14,14 +14,14 @@ back, the median kept (one warm pass is ~0.2 s). Rounds are interleaved between 
 systems; the lower median of the files/s is reported, with the daemons' CPU (user+sys, every
 thread's schedstat, the same for every system) per file of that pass. FUSE requests per file
 are counted where the daemon counts them: nullfs always (its `user.nullfs.status`),
-fanstore-fuse when its status has a `fuse_requests` counter; otherwise the cell says n/a.
+fanstore-fuse from its `status` (`stats.requests`); a cell without a count says n/a.
 `ext4` in `--anchors` adds the source tree read directly (no FUSE, no bar): its
 ratio to ratarmount shows whether the 3x bar is within what the disk allows.
 `fanstore-copy-cached` (no bar either) is fanstore-fuse again, but each cold pass starts from
 its local copy read into the page cache instead of from nothing (the mount is fresh, so the
 kernel's side is still empty and every LOOKUP, OPEN and READ still reaches the daemon): the cold
 cells as they would be with a disk that cost nothing. `--ab K=V` adds a
-fanstore-fuse mount with that daemon environment, for A/B in one run.
+fanstore-fuse mount with other settings (`FANSTORE_*` variables), for A/B in one run.
 Files: bench.cost's tree (n files of 90-130 KB, incompressible, zstd prep); squashfuse_ll reads
 a `mksquashfs -comp zstd` image of it, ratarmount a `tar -cf` of it, mounted as a user would
 (`ratarmount data.tar MNT`, its default index `data.tar.index.sqlite` beside the tar, built
@@ -212,20 +212,15 @@ class FanMount:
         return self.fan.pids()
 
     def requests(self) -> dict[str, int] | None:
-        """FUSE requests the daemon answered, by kind, when its status counts them (a
-        `fuse_requests` int or {kind: n}, at the top or under "stats"); else None. Reading the
-        status is itself one request (GETXATTR), at most 1 per pass."""
+        """FUSE requests the daemon answered (`status`: the rank's `stats.requests`), or None
+        when the status cannot be read. Reading the status is itself one request (GETXATTR),
+        at most 1 per pass."""
         try:
             st = json.loads(os.getxattr(self.root, "user.fanstore.status"))
-        except (OSError, ValueError):
+            v = st["ranks"][0]["stats"]["requests"]
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
             return None
-        for where in (st, st.get("stats", {}) if isinstance(st, dict) else {}):
-            v = where.get("fuse_requests") if isinstance(where, dict) else None
-            if isinstance(v, int) and not isinstance(v, bool):
-                return {"total": v}
-            if isinstance(v, dict):
-                return {str(k): int(n) for k, n in v.items() if isinstance(n, int)}
-        return None
+        return {"total": int(v)} if isinstance(v, int) and not isinstance(v, bool) else None
 
     def close(self) -> None:
         self.fan.close()

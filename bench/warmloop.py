@@ -2,15 +2,15 @@
 ``python -m bench.warmloop {fan|sq} SECONDS READERS [KEY=VALUE ...] [-- PROFILER ARGS]``.
 
 bench.cost's tree (2,000 files under `WARMLOOP_WORK`, default /tmp/cwarm-s) is mounted
-(fanstore-fuse's default mount with KEY=VALUE as daemon environment, or squashfuse_ll over a
+(fanstore-fuse's default mount with KEY=VALUE as its settings, or squashfuse_ll over a
 zstd image), read twice to warm it, then READERS forked processes read their shuffled shares
-again and again for SECONDS (`OC=1`: only open and close each file: an OPEN and a RELEASE, no
+again and again for SECONDS (`OC=1`: only open and close each file, no
 page cache involved, so nobody's `drop_caches` changes the load). Printed: files/s, the
 daemon's CPU (user+sys) per file, the readers' own CPU and voluntary context switches per file,
 the daemon's context switches per file, the whole machine's busy CPU time per file (/proc/stat),
-and fanstore's `fuse_shim` counters. PROFILER ARGS run during the loop with `{pid}` replaced by
-the daemon's pid (e.g. `-- perf record -e cpu-clock -g -o perf.data -p {pid}`); they get
-SIGINT at the end.
+and fanstore's `status` counters (`stats`: FUSE requests, reads, cache hits, ...). PROFILER
+ARGS run during the loop with `{pid}` replaced by the daemon's pid (e.g. `-- perf record -e
+cpu-clock -g -o perf.data -p {pid}`); they get SIGINT at the end.
 """
 
 from __future__ import annotations
@@ -118,6 +118,9 @@ def _loop(files: list[str], secs: float, readers: int, prof: list[str], pid: int
 
 
 def main() -> None:
+    if len(sys.argv) < 4 or sys.argv[1] in ("-h", "--help") or sys.argv[1] not in ("fan", "sq"):
+        print(__doc__)
+        sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
     kind, secs, readers = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
     rest = sys.argv[4:]
     prof: list[str] = []
@@ -145,7 +148,7 @@ def main() -> None:
             out = subprocess.run([VENV + "fanstore-fuse", "status", "--json", str(mpt)], env=env,
                                  capture_output=True, text=True)
             with contextlib.suppress(ValueError, KeyError, IndexError):
-                print(json.loads(out.stdout)["ranks"][0]["fuse_shim"])
+                print(json.loads(out.stdout)["ranks"][0]["stats"])
     finally:
         if proc is None:
             subprocess.run([VENV + "fanstore-fuse", "umount", str(mpt)], env=env)

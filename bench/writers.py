@@ -15,9 +15,9 @@ Three writers a training job has, each against a fresh mount, with the daemons' 
 - **follow**: a log appended on rank 1 (open, append a line, close) and read whole on rank 0
   right after each close, 300 times (2 ranks); wall time per append and per remote read.
 
-The default mount, then each ``--ab K=V[,K=V]`` environment (``FANSTORE_NO_OPEN=0``: OPEN and
-FLUSH answered, commit at close; ``FANSTORE_COMMIT_SHARE=0``: idle commits never spaced out),
-interleaved in each round; medians of the rounds last. Not a test: run by hand.
+The default mount, then each ``--ab K=V[,K=V]`` settings (``FANSTORE_*`` variables, e.g.
+``FANSTORE_CACHE_BYTES=67108864``), interleaved in each round; medians of the rounds last.
+Not a test: run by hand.
 """
 
 from __future__ import annotations
