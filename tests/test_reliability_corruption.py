@@ -2,8 +2,8 @@
 anywhere never gives wrong bytes, a damaged DEST on a single-node mount (EIO for that file only,
 a one-line refusal at stage-in).
 
-Each test states the expected outcome in its docstring and asserts it. Figures from these runs
-are recorded in docs/reliability.md.
+Each test states the expected outcome in its docstring and asserts it; docs/reliability.md
+describes them.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Faults, 2. resources and dead mounts: a full local dir, a disk that fills during stage-in,
 bad mountpoints, a SIGKILLed daemon's dead mount cleared by `umount`.
 
-Each test states the expected outcome in its docstring and asserts it. Figures from these runs
-are recorded in docs/reliability.md.
+Each test states the expected outcome in its docstring and asserts it; docs/reliability.md
+describes them.
 """
 
 from __future__ import annotations

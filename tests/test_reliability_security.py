@@ -2,8 +2,8 @@
 enforced with allow_other, the status xattr guarded, nothing written outside the local and state
 dirs.
 
-Each test states the expected outcome in its docstring and asserts it. Figures from these runs
-are recorded in docs/reliability.md.
+Each test states the expected outcome in its docstring and asserts it; docs/reliability.md
+describes them.
 """
 
 from __future__ import annotations

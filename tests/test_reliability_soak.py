@@ -1,8 +1,8 @@
 """Faults, 4. a concurrency soak: threads and processes read random files through 3 ranks for a
 bounded time (FANSTORE_SOAK_SECONDS, default 15), every byte compared.
 
-Each test states the expected outcome in its docstring and asserts it. Figures from these runs
-are recorded in docs/reliability.md.
+Each test states the expected outcome in its docstring and asserts it (docs/reliability.md,
+section 5).
 """
 
 from __future__ import annotations
