@@ -266,11 +266,11 @@ def umount(
     from ._mountctl import find_state
     from ._mountctl import umount as do_umount
 
-    st = find_state(mountpoint)
-    target = stage_out or (st.stage_out if st is not None else "") or None
-    remote_failed = target is not None and not _stage_out_other_nodes(mountpoint, target)
-    remote_failed = not _stop_other_nodes(mountpoint) or remote_failed
-    try:
+    try:  # the state dir itself may be refused (not ours, unreadable): one line, as below
+        st = find_state(mountpoint)
+        target = stage_out or (st.stage_out if st is not None else "") or None
+        remote_failed = target is not None and not _stage_out_other_nodes(mountpoint, target)
+        remote_failed = not _stop_other_nodes(mountpoint) or remote_failed
         res = do_umount(mountpoint, timeout, stage_out, workers)
     except FanstoreError as e:
         _fail(str(e))
