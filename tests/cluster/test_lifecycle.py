@@ -148,6 +148,7 @@ def test_epilog_of_a_cancelled_job_removes_saved_local_copies_and_keeps_unsaved_
     out, ready = shared_dir / "out", shared_dir / "ready"
     script = _script(shared_dir / "job.sh", dest, f"""
 srun --ntasks-per-node=1 python {TOOL} write $MNT 0
+sleep 2  # files opened without OPEN are committed ~0.25 s after their last use (semantics.md)
 srun --overlap -N1 -n1 -w n1 python {TOOL} kill "$MNT"
 srun --overlap -N1 -n1 -w n1 fanstore-fuse recover "$LOCAL" --stage-out {out}
 touch {ready}
