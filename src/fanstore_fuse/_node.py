@@ -52,7 +52,6 @@ class LocalBlobSource:
         self.store = store
         self.stats = stats
         self.threshold = threshold
-        self._limiter = trio.CapacityLimiter(max(2, (os.cpu_count() or 1) * 2))
         self._busy = 0  # frame reads waiting in worker threads
 
     async def fetch(self, blob: int) -> bytes:
@@ -64,7 +63,7 @@ class LocalBlobSource:
         if stored is not None:
             data = store.decode(blob, stored)
         else:  # big, or not in the page cache: off the event loop
-            data = await trio.to_thread.run_sync(store.raw, blob, limiter=self._limiter)
+            data = await WORKERS.run(store.raw, blob)  # a light pool: half a thread hop's CPU
         self.stats.local_bytes += len(data)
         return data
 
