@@ -39,6 +39,7 @@ from ._namespace import Namespace, Record
 from ._node import LocalBlobSource, Node, Stats
 from ._ring import Locator
 from ._transport import RemoteError, Transport
+from ._workers import WORKERS
 from .writes import WriteStore
 
 log = logging.getLogger("fanstore_fuse.cluster")
@@ -128,7 +129,7 @@ class ClusterBlobSource:
 
     async def _decode(self, blob: int, stored: bytes | memoryview) -> bytes:
         if len(stored) >= self.local.threshold:
-            return await trio.to_thread.run_sync(self.store.decode, blob, stored)
+            return await WORKERS.run(self.store.decode, blob, stored)
         return self.store.decode(blob, stored)
 
     async def fetch(self, blob: int) -> bytes:

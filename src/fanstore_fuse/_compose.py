@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import trio
 
 from . import _stageout_all as stageout_all
 from ._blobstore import BlobStore
@@ -36,6 +35,7 @@ from ._settings import Settings
 from ._shared_writes import SharedWrites
 from ._transport import MpiTransport, NoPeers, Transport
 from ._view import MountView
+from ._workers import WORKERS
 from .writes import WriteStore
 
 __all__ = ["LocalOnlyPlacement", "Parts", "compose"]
@@ -78,7 +78,6 @@ class CachingBlobSource:
         self.held = held
         self.sizes = sizes
         self.threshold = threshold
-        self._limiter = trio.CapacityLimiter(max(2, (os.cpu_count() or 1) * 2))
         # 0 not asked yet, 1 held here, 2 held elsewhere: `held` (a ring lookup, ~6 us) once per blob
         self._where = untouched_zeros(len(sizes), np.uint8)
 
@@ -94,7 +93,7 @@ class CachingBlobSource:
         if cache.has(blob):
             data = cache.read(blob, nowait=True) if self.sizes[blob] < self.threshold else BLOCKED
             if data is BLOCKED:
-                data = await trio.to_thread.run_sync(cache.read, blob, limiter=self._limiter)
+                data = await WORKERS.run(cache.read, blob)
             if isinstance(data, bytes):
                 self.stats.local_reads += 1
                 self.stats.local_bytes += len(data)
