@@ -157,6 +157,9 @@ class DiskCache:
         self._full_logged = False
         self._queue: queue.SimpleQueue[tuple[int, bytes] | None] = queue.SimpleQueue()
         self._queued = 0  # bytes in the queue
+        # blobs queued and not yet written: readable from here, so a blob that leaves the memory
+        # cache before the writer reached it is not fetched from its owner a second time
+        self._pending: dict[int, bytes] = {}
         self._qlock = threading.Lock()
         self._queue_bytes = queue_bytes
         self._idle = threading.Event()
@@ -176,7 +179,7 @@ class DiskCache:
     # ------------------------------------------------------------ reads
 
     def has(self, blob: int) -> bool:
-        return bool(self._loc[blob])
+        return bool(self._loc[blob]) or blob in self._pending
 
     def miss(self) -> None:
         """Count a lookup of a blob the cache does not have (the caller fetches it)."""
@@ -187,6 +190,10 @@ class DiskCache:
         dropped first); `BLOCKED` with `nowait` when the page cache does not hold them all."""
         loc = int(self._loc[blob])
         if not loc:
+            data = self._pending.get(blob)  # verified when it was put, kept in memory since
+            if data is not None:
+                self.hits += 1
+                return data
             self.misses += 1
             return None
         number, off = loc >> _OFF_BITS, loc & _OFF_MASK
@@ -252,6 +259,7 @@ class DiskCache:
                 return
             self._queued += n
             self._idle.clear()
+            self._pending[blob] = data
             self._queue.put((blob, data))
 
     def flush(self, timeout: float = 30.0) -> bool:
@@ -282,6 +290,8 @@ class DiskCache:
                 self._disable()
             with self._qlock:
                 self._queued -= size
+                for blob, _ in batch:  # written (its entry published) or dropped: not pending
+                    self._pending.pop(blob, None)
                 if self._queue.empty():
                     self._idle.set()
 
