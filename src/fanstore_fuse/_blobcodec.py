@@ -151,7 +151,7 @@ def decode_frame(t: FrameTable, k: int, stored: bytes | memoryview, where: str) 
     return raw
 
 
-def decode_all(stored: bytes | memoryview, raw_len: int, digest: int, where: str) -> bytes:
+def decode_all(stored: bytes | bytearray | memoryview, raw_len: int, digest: int, where: str) -> bytes:
     """The whole blob (a remote fetch, a sequential reader, verify): every frame decoded and
     verified; raw frames are checked in place and the result is built with one copy (a fresh
     4 MiB buffer filled twice costs more than decoding: page faults)."""
@@ -207,12 +207,14 @@ class BlobCodec:
         return d
 
     def decode(
-        self, stored: bytes | memoryview, codec: int, raw_len: int, digest: int, where: str
-    ) -> bytes:
+        self, stored: bytes | bytearray | memoryview, codec: int, raw_len: int, digest: int,
+        where: str,
+    ) -> bytes | bytearray:
         if codec == CODEC_FRAMED:
             return decode_all(stored, raw_len, digest, where)
         if codec == CODEC_RAW:
-            raw = stored if isinstance(stored, bytes) else bytes(stored)
+            # a buffer read for this blob alone is passed on as it is (no copy)
+            raw = stored if isinstance(stored, (bytes, bytearray)) else bytes(stored)
         else:
             # A frame that claims more than the recorded raw length (a zstd bomb) is refused
             # before any output is allocated; without a content size the output is capped.

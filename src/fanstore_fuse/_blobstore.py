@@ -100,19 +100,19 @@ class BlobStore:
             raise ChecksumError(f"{self.where(blob)}: partition truncated")
         return data
 
-    def _pread_nowait(self, blob: int, n: int, off: int) -> bytes | None:
+    def _pread_nowait(self, blob: int, n: int, off: int) -> bytearray | None:
         """`n` bytes at `off` if the page cache has them all (RWF_NOWAIT), else None at once."""
         buf = bytearray(n)
         try:
             hit = self._cached.readinto(self._fd(self._part[blob]), buf, off)
         except OSError as e:
             raise ChecksumError(f"{self.where(blob)}: read failed: {e.strerror}") from None
-        return bytes(buf) if hit else None
+        return buf if hit else None  # the buffer itself: a copy costs as much as the read
 
     def stored(self, blob: int) -> bytes:
         return self._pread(blob, self._stored[blob], self._offset(blob))
 
-    def stored_if_cached(self, blob: int) -> bytes | None:
+    def stored_if_cached(self, blob: int) -> bytearray | None:
         """The stored bytes if the page cache has them all (RWF_NOWAIT), else None at once:
         lets the event loop read hot blobs inline and send cold ones to a thread."""
         return self._pread_nowait(blob, self._stored[blob], self._offset(blob))
@@ -148,7 +148,7 @@ class BlobStore:
         return t
 
     def _decode_frames(
-        self, blob: int, t: FrameTable, k0: int, k1: int, data: bytes
+        self, blob: int, t: FrameTable, k0: int, k1: int, data: bytes | bytearray
     ) -> list[bytes]:
         mv, base, where = memoryview(data), t.offsets[k0], self.where(blob)
         o = t.offsets
@@ -163,7 +163,7 @@ class BlobStore:
         return self._decode_frames(blob, t, k0, k1, self._pread(blob, n, self._offset(blob) + rel))
 
     def _raw_slice(
-        self, blob: int, t: FrameTable, k0: int, k1: int, lo: int, hi: int, data: bytes
+        self, blob: int, t: FrameTable, k0: int, k1: int, lo: int, hi: int, data: bytes | bytearray
     ) -> bytes:
         """Bytes lo..hi of the blob from the stored bytes of raw frames k0..k1, each frame's
         xxh3 checked first (no copy but the result)."""
@@ -173,7 +173,9 @@ class BlobStore:
             if checksum(mv[o[k] - base : o[k + 1] - base]) != t.digests[k]:
                 raise ChecksumError(f"{self.where(blob)}: frame {k} xxh3 checksum mismatch")
         a = lo - k0 * t.frame_size
-        return data if (a == 0 and hi - lo == len(data)) else bytes(mv[a : a + hi - lo])
+        if a == 0 and hi - lo == len(data) and isinstance(data, bytes):
+            return data
+        return bytes(mv[a : a + hi - lo])
 
     def raw_range(self, blob: int, k0: int, k1: int, lo: int, hi: int) -> bytes:
         """Bytes lo..hi of a framed blob whose frames k0..k1 (covering them) are stored raw:
@@ -210,7 +212,7 @@ class BlobStore:
             raise ChecksumError(f"{self.where(blob)}: partition truncated")
         return True
 
-    def decode(self, blob: int, stored: bytes | memoryview) -> bytes:
+    def decode(self, blob: int, stored: bytes | bytearray | memoryview) -> bytes | bytearray:
         """Decode and verify bytes that claim to be `blob` (local or from a peer): their length
         must be the manifest's stored size before anything is decoded."""
         if len(stored) != self._stored[blob]:
@@ -220,7 +222,7 @@ class BlobStore:
             stored, self._codec[blob], self._raw[blob], self._xxh[blob], self.where(blob)
         )
 
-    def raw(self, blob: int) -> bytes:
+    def raw(self, blob: int) -> bytes | bytearray:
         if self._codec[blob] == CODEC_FRAMED:
             t = self.table(blob)
             if not any(t.zstd):  # raw sub-blocks: read them as they lie, check, no copy

@@ -127,12 +127,12 @@ class ClusterBlobSource:
         """This rank holds `blob` (the node then reads single frames of it from `local`)."""
         return self.placement.holds(self.rank, blob)
 
-    async def _decode(self, blob: int, stored: bytes | memoryview) -> bytes:
+    async def _decode(self, blob: int, stored: bytes | memoryview) -> bytes | bytearray:
         if len(stored) >= self.local.threshold:
             return await WORKERS.run(self.store.decode, blob, stored)
         return self.store.decode(blob, stored)
 
-    async def fetch(self, blob: int) -> bytes:
+    async def fetch(self, blob: int) -> bytes | bytearray:
         holders = self.placement.locate_data(blob)
         others = [h for h in holders if h != self.rank]
         if self.rank in holders:

@@ -88,7 +88,7 @@ class CachingBlobSource:
             where = self._where[blob] = 1 if self.held(blob) else 2
         return bool(where == 1)
 
-    async def fetch(self, blob: int) -> bytes:
+    async def fetch(self, blob: int) -> bytes | bytearray:
         cache = self.cache
         if cache.has(blob):
             data = cache.read(blob, nowait=True) if self.sizes[blob] < self.threshold else BLOCKED

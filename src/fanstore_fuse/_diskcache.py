@@ -155,11 +155,11 @@ class DiskCache:
         self.written = 0
         self.disabled = limit <= 0
         self._full_logged = False
-        self._queue: queue.SimpleQueue[tuple[int, bytes] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[int, bytes | bytearray] | None] = queue.SimpleQueue()
         self._queued = 0  # bytes in the queue
         # blobs queued and not yet written: readable from here, so a blob that leaves the memory
         # cache before the writer reached it is not fetched from its owner a second time
-        self._pending: dict[int, bytes] = {}
+        self._pending: dict[int, bytes | bytearray] = {}
         self._qlock = threading.Lock()
         self._queue_bytes = queue_bytes
         self._idle = threading.Event()
@@ -250,7 +250,7 @@ class DiskCache:
 
     # ------------------------------------------------------------ writes
 
-    def put(self, blob: int, data: bytes) -> None:
+    def put(self, blob: int, data: bytes | bytearray) -> None:
         """Queue verified raw bytes of `blob` for the writer thread; never blocks, never fails."""
         n = len(data)
         with self._qlock:
@@ -295,7 +295,7 @@ class DiskCache:
                 if self._queue.empty():
                     self._idle.set()
 
-    def _write(self, batch: list[tuple[int, bytes]]) -> None:
+    def _write(self, batch: list[tuple[int, bytes | bytearray]]) -> None:
         """Append the batch, one `pwritev` per segment filled, then publish the entries."""
         seg, pending, psize, seen = None, [], 0, set()
         for blob, data in batch:
@@ -339,9 +339,9 @@ class DiskCache:
                 self.bytes += DATA_START
         return seg
 
-    def _append(self, seg: _Segment, items: list[tuple[int, bytes]]) -> bool:
+    def _append(self, seg: _Segment, items: list[tuple[int, bytes | bytearray]]) -> bool:
         size = sum(ENTRY_HEADER + len(d) for _, d in items)
-        iov: list[bytes] = []
+        iov: list[bytes | bytearray] = []
         for blob, d in items:
             known = self._raw_digest(blob) if self._raw_digest is not None else None
             iov += (_DIGEST.pack(checksum(d) if known is None else known), d)

@@ -98,7 +98,7 @@ MAX_PARTITIONS = 65537
 _DIGEST_STEP = 64 << 20  # checksum this much of a mapped file, then drop its pages
 
 
-def checksum(data: bytes | memoryview) -> int:
+def checksum(data: bytes | bytearray | memoryview) -> int:
     """The format's checksum: xxh3-64 with the fixed seed."""
     return xxhash.xxh3_64_intdigest(data, seed=HASH_SEED)
 

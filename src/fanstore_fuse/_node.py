@@ -42,7 +42,7 @@ T = TypeVar("T")
 class BlobSource(Protocol):
     """Where verified raw blob bytes come from."""
 
-    async def fetch(self, blob: int) -> bytes: ...
+    async def fetch(self, blob: int) -> bytes | bytearray: ...
 
 
 class LocalBlobSource:
@@ -54,7 +54,7 @@ class LocalBlobSource:
         self.threshold = threshold
         self._busy = 0  # frame reads waiting in worker threads
 
-    async def fetch(self, blob: int) -> bytes:
+    async def fetch(self, blob: int) -> bytes | bytearray:
         self.stats.local_reads += 1
         store = self.store
         stored = None
@@ -62,8 +62,14 @@ class LocalBlobSource:
             stored = store.stored_if_cached(blob)  # never waits on the disk
         if stored is not None:
             data = store.decode(blob, stored)
-        else:  # big, or not in the page cache: off the event loop
-            data = await WORKERS.run(store.raw, blob)  # a light pool: half a thread hop's CPU
+        elif store.stored_size(blob) < self.threshold and not self._busy:
+            data = store.raw(blob)  # a small cold read costs less inline than a thread hop
+        else:  # big, or others wait on the disk: off the event loop
+            self._busy += 1
+            try:
+                data = await WORKERS.run(store.raw, blob)  # a light pool: half a thread hop
+            finally:
+                self._busy -= 1
         self.stats.local_bytes += len(data)
         return data
 
@@ -384,7 +390,9 @@ class Node:
                         raise
                     log.error("blob %d: bad local frame, fetching the whole blob", first + k)
             try:
-                parts.append((await self.cache.get(first + k))[lo:hi])
+                data = await self.cache.get(first + k)
+                # a whole small blob goes out as it is (slicing a bytearray would copy it)
+                parts.append(data if lo == 0 and hi == len(data) else data[lo:hi])
             except ChecksumError:
                 if self.frames is None or not self.frames.usable(first + k):
                     raise
