@@ -4,8 +4,8 @@ daemon 1 MiB reads instead of 128 KiB ones (8x fewer FUSE round trips per MiB).
 The kernel takes the FUSE INIT reply's `max_readahead` as a ceiling on the mount's
 read-ahead (`min(read_ahead_kb, what it offered at mount: 128 KiB)`), and it reads that reply
 only once `pyfuse3.main` runs, after `pyfuse3.init` returned. A value written right after
-`init` is therefore cut back to 128 KiB a moment later (measured: a 320 MiB `dd bs=1M` sent
-2,560 requests of 128 KiB). `set_readahead` writes it at mount; `hold_readahead`, a task of the
+`init` is therefore cut back to 128 KiB a moment later (a `dd bs=1M` through the mount then
+reaches the daemon as 128 KiB requests). `set_readahead` writes it at mount; `hold_readahead`, a task of the
 running daemon, watches for the cut and writes it again, once. Needs root (sysfs); without it
 the default stays, silently.
 """

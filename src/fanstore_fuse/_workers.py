@@ -1,10 +1,10 @@
 """A light worker pool for short blocking calls from trio (frame reads, checks).
 
-`trio.to_thread.run_sync` costs ~235 us of CPU and ~490 us of wall time per call on this
-2-vCPU machine under load (measured with a 16 KiB pread); persistent threads fed by a
-`queue.SimpleQueue` and waking the task with `TrioToken.run_sync_soon` cost ~116 us and
-~160 us (docs/performance.md, "Random access"). Like `to_thread.run_sync` by default, a call
-cannot be cancelled once submitted; exceptions travel back to the caller.
+`trio.to_thread.run_sync` hands each call to a thread through a cache of idle threads and a
+capacity limiter; persistent threads fed by a `queue.SimpleQueue` and waking the task with
+`TrioToken.run_sync_soon` do the same work with about half its CPU per call (compare with
+`python -m bench.smallfile`'s cold cells, daemon CPU per file). Like `to_thread.run_sync` by
+default, a call cannot be cancelled once submitted; exceptions travel back to the caller.
 """
 
 from __future__ import annotations

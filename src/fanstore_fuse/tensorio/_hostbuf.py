@@ -1,8 +1,8 @@
 """Host buffers for loads: page-aligned anonymous mappings, recycled when freed.
 
 Fresh memory is expensive: every page is zeroed and faulted in, and on a VM with free-page
-reporting each freed page must be faulted in again at the host level (measured here: a 1 GB
-load spent up to 2 s of CPU in faults). So when the last tensor viewing a buffer dies, the
+reporting each freed page must be faulted in again at the host level (a load into fresh
+memory can spend more CPU in faults than in reading). So when the last tensor viewing a buffer dies, the
 mapping goes back to a small process-wide cache (bounded by min(2 GiB, RAM/8): enough for a
 few model shards, never a large share of a node's memory) and the next load of a similar size
 reuses it, already faulted in. A reused buffer is always entirely overwritten by the read
