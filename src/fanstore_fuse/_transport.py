@@ -23,6 +23,7 @@ import errno
 import itertools
 import logging
 import math
+import mmap
 import os
 import threading
 import time
@@ -225,6 +226,7 @@ class MpiTransport:
         self._pending: dict[int, _Waiter] = {}
         self._ids = itertools.count(1)
         self._token: trio.lowlevel.TrioToken | None = None
+        self._truncates = True  # the library drops what a short receive leaves (see _oversized)
         self._req_send: trio.MemorySendChannel[tuple[int, Wire]] | None = None
         self._ready = trio.Event()
 
@@ -320,10 +322,21 @@ class MpiTransport:
                    mpi_error: type[Exception]) -> None:
         """A frame over MAX_FRAME from rank `source`: receive only its header (MPI reports the
         truncation and drops the rest), log one line, fail the request it answers or answer
-        the request it makes with EPROTO."""
+        the request it makes with EPROTO. Open MPI 4's shared-memory single copy cannot
+        truncate a receive (it faults and kills the receiver): there the frame is received
+        whole into an anonymous mapping and unmapped at once, never into the heap."""
         head = bytearray(HEADER.size)
-        with contextlib.suppress(mpi_error):
-            msg.Recv([head, len(head), byte])
+        if self._truncates:
+            with contextlib.suppress(mpi_error):
+                msg.Recv([head, len(head), byte])
+        else:
+            scratch = mmap.mmap(-1, n)
+            try:
+                with contextlib.suppress(mpi_error):
+                    msg.Recv([scratch, n, byte])
+                head[:] = scratch[: len(head)]
+            finally:
+                scratch.close()
         why = f"rank {source} sent a frame of {n} bytes, over the limit of {MAX_FRAME}"
         log.error("%s; dropped", why)
         rid = request_id_of(head)
@@ -346,6 +359,7 @@ class MpiTransport:
         assert token is not None
         outq, handlers = self._outq, self.handlers
         any_source, any_tag, byte = MPI.ANY_SOURCE, MPI.ANY_TAG, MPI.BYTE
+        self._truncates = not MPI.Get_library_version().startswith("Open MPI")
         pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="fanstore-mpi-io")
         idle, delay = 0, 0.0
         quiet_since = time.monotonic()
