@@ -3,9 +3,9 @@
 The MPI thread posts `Isend`s from an outgoing queue (an eager send is complete at once and
 not tracked), matches incoming messages with `improbe` + `Message.Recv`, completes rendezvous
 sends with `Testsome`, and polls: MPI offers nothing to block on (MPICH's blocking calls spin a
-core), so the thread sleeps between polls, the interval doubling from 20 us to 1 ms while
-nothing arrives (`POLL_FIRST`, `POLL_MAX`), 5 ms after a second without traffic
-(`IDLE_SLEEP`) and 20 ms after a minute (`DEEP_IDLE_SLEEP`), so an idle daemon costs a few
+core), so the thread sleeps between polls, the interval doubling from 20 us to 100 us while
+nothing arrives (`POLL_FIRST`, `POLL_MAX`), 5 ms after a quarter second without traffic
+(`IDLE_AFTER`, `IDLE_SLEEP`) and 20 ms after a minute (`DEEP_IDLE_SLEEP`), so an idle daemon costs a few
 hundred wake-ups a second at most. A frame posted by trio (a request or a reply of this rank)
 sets an event that ends the wait at once; only a frame from another rank waits for the next
 poll.
@@ -52,12 +52,15 @@ from ._messages import (
 log = logging.getLogger("fanstore_fuse.transport")
 
 # Poll intervals of the MPI thread. A reply is due within tens of microseconds between ranks of
-# one host, so the first wait is short; each wake-up of this Python loop costs ~20-40 us of CPU,
-# so the interval doubles to POLL_MAX (1 ms: at most ~4% of a core while a reply is late).
+# one host, so the first wait is short. A peer's request waits for this rank's next poll, and a
+# reader of remote files pays that wait twice per file (its request, the reply), so while
+# traffic is recent the interval stays short (POLL_MAX; `python -m bench.cost` shows the remote
+# latency and CPU per file). A quarter second after the last message the thread backs off to
+# IDLE_SLEEP.
 POLL_FIRST = 20e-6
-POLL_MAX = 0.001
+POLL_MAX = 100e-6
 POLL_GROWTH = 2.0
-IDLE_POLLS = 1000  # polls without traffic (about a second at POLL_MAX) before IDLE_SLEEP
+IDLE_AFTER = 0.25  # seconds without traffic before IDLE_SLEEP
 IDLE_SLEEP = 0.005  # idle: ~200 wake-ups/s, a request from a peer waits 2.5 ms on average
 DEEP_IDLE_S = 60.0  # a minute without traffic (a training step that reads nothing)...
 DEEP_IDLE_SLEEP = 0.02  # ...then 50 wake-ups/s; the first request after it waits <= 20 ms
@@ -361,7 +364,7 @@ class MpiTransport:
         any_source, any_tag, byte = MPI.ANY_SOURCE, MPI.ANY_TAG, MPI.BYTE
         self._truncates = not MPI.Get_library_version().startswith("Open MPI")
         pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="fanstore-mpi-io")
-        idle, delay = 0, 0.0
+        delay = 0.0
         quiet_since = time.monotonic()
         while not self._stop.is_set():
             self.polls += 1
@@ -418,16 +421,16 @@ class MpiTransport:
                         del sends[i]
                         del bufs[i]
             if busy or outq:
-                idle, delay = 0, 0.0
+                delay = 0.0
                 quiet_since = time.monotonic()
                 continue
             # Nothing moved: wait. A send that must progress (rendezvous) or a reply that is due
             # polls from POLL_FIRST up; an idle thread backs off further (module docstring).
             # A post from trio ends any wait at once.
-            idle += 1
             delay = min(POLL_MAX, delay * POLL_GROWTH) if delay else POLL_FIRST
-            if not (sends or self._pending) and idle > IDLE_POLLS:
-                deep = time.monotonic() - quiet_since > DEEP_IDLE_S
+            quiet = time.monotonic() - quiet_since
+            if not (sends or self._pending) and quiet > IDLE_AFTER:
+                deep = quiet > DEEP_IDLE_S
                 delay = DEEP_IDLE_SLEEP if deep else IDLE_SLEEP
             if self._wake.wait(delay):
                 self._wake.clear()
