@@ -151,14 +151,18 @@ async def serve_requests(key: str, others: list[int], hosts: list[str], transpor
             _write_json(res_path, {"token": token, "results": results})
 
 
-async def _stop_all(others: list[int], hosts: list[str], transport: Any) -> list[dict[str, Any]]:
+async def _ask_each(others: list[int], hosts: list[str], transport: Any, op: int, body: bytes,
+                    timeout: float, answer: Callable[[int, Frame], dict[str, Any]]
+                    ) -> list[dict[str, Any]]:
+    """Send `op` to every rank in `others` at once and collect `answer(rank, reply)`, or an
+    error line per rank. A quick ping first: a dead node is reported in seconds, not after
+    `timeout`."""
     results: list[dict[str, Any]] = []
 
     async def one(r: int) -> None:
         try:
-            await transport.request(r, Frame(OP_PING, 0), PING_TIMEOUT)  # a dead node: seconds
-            await transport.request(r, Frame(OP_STOP, 0), STOP_TIMEOUT)
-            results.append({"rank": r, "host": hosts[r], "ok": True, "stopping": True})
+            await transport.request(r, Frame(OP_PING, 0), PING_TIMEOUT)
+            results.append(answer(r, await transport.request(r, Frame(op, 0, body=body), timeout)))
         except FanstoreError as e:
             results.append({"rank": r, "host": hosts[r], "ok": False, "error": str(e)})
 
@@ -166,24 +170,16 @@ async def _stop_all(others: list[int], hosts: list[str], transport: Any) -> list
         for r in others:
             n.start_soon(one, r)
     return sorted(results, key=lambda d: int(d.get("rank", 0)))
+
+
+async def _stop_all(others: list[int], hosts: list[str], transport: Any) -> list[dict[str, Any]]:
+    return await _ask_each(others, hosts, transport, OP_STOP, b"", STOP_TIMEOUT,
+                           lambda r, _: {"rank": r, "host": hosts[r], "ok": True, "stopping": True})
 
 
 async def _ask_all(others: list[int], hosts: list[str], out: str, transport: Any) -> list[dict[str, Any]]:
-    results: list[dict[str, Any]] = []
-
-    async def one(r: int) -> None:
-        try:
-            # A quick ping first: a dead node is reported in seconds, not after REMOTE_TIMEOUT.
-            await transport.request(r, Frame(OP_PING, 0), PING_TIMEOUT)
-            resp = await transport.request(r, Frame(OP_STAGE_OUT, 0, body=pack(out)), REMOTE_TIMEOUT)
-            results.append(unpack(resp.body))
-        except FanstoreError as e:
-            results.append({"rank": r, "host": hosts[r], "ok": False, "error": str(e)})
-
-    async with trio.open_nursery() as n:
-        for r in others:
-            n.start_soon(one, r)
-    return sorted(results, key=lambda d: int(d.get("rank", 0)))
+    return await _ask_each(others, hosts, transport, OP_STAGE_OUT, pack(out), REMOTE_TIMEOUT,
+                           lambda _, resp: unpack(resp.body))
 
 
 # ------------------------------------------------------------------ command side
