@@ -9,7 +9,6 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,18 +26,6 @@ pytestmark = [pytest.mark.slurm, pytest.mark.mount, pytest.mark.mpi]
 
 TOOL = Path(__file__).resolve().parent / "_jobtool.py"
 NODES = ("n0", "n1", "n2")
-
-
-@pytest.fixture
-def jobs(slurm_cluster) -> Iterator[Path]:
-    """The epilog's log and records in the cluster dir (fanstore-fuse.env next to slurm.conf)."""
-    c = slurm_cluster
-    env_file = c.conf.parent / "fanstore-fuse.env"
-    d = c.root / "fanstore-jobs"
-    env_file.write_text(f"FANSTORE_FUSE={Path(sys.executable).parent / 'fanstore-fuse'}\n"
-                        f"FANSTORE_JOB_DIR={d}\n")
-    yield d
-    env_file.unlink()
 
 
 def _log(jobs: Path, job: int) -> str:
