@@ -2,8 +2,8 @@
 directories, on the writable part of a real mount: every client exits 0, the copies in the
 mount and the staged-out tree match the source (names, types, modes, sizes, mtimes, link
 targets, bytes, and which names share an inode); hard links, user.* xattrs, ctime and renames
-of written files; across two ranks, a hard link and a symlink made on one rank are read on
-the other, and stage-out keeps the link."""
+of written files; across two ranks, a hard link, a symlink and user.* xattrs made on one rank
+are read on the other, and stage-out keeps the link and the xattrs."""
 
 from __future__ import annotations
 
@@ -182,7 +182,7 @@ def test_links_xattrs_ctime_and_renames_in_the_mount(dest: Path, tmp_path: Path,
 
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
-def test_links_and_symlinks_across_two_ranks(dest: Path, tmp_path: Path, mount_factory):
+def test_links_symlinks_and_xattrs_across_two_ranks(dest: Path, tmp_path: Path, mount_factory):
     m = mount_factory(dest, str(tmp_path / "mnt" / "{rank}"), ranks=2,
                       local=str(tmp_path / "local" / "{rank}"))
     r0, r1 = (Path(mp) for mp in m.mountpoints)
@@ -202,9 +202,31 @@ def test_links_and_symlinks_across_two_ranks(dest: Path, tmp_path: Path, mount_f
     assert ei.value.errno == errno.EXDEV
     os.rename(r1 / "d" / "other", r1 / "d" / "renamed")
     assert (r0 / "d" / "renamed").read_bytes() == b"CHANGED" + body[7:]
+    # user.* xattrs set on rank 1 (a file, a directory) are read on rank 0, removals too
+    os.setxattr(r1 / "d" / "orig", "user.note", b"from rank 1")
+    os.setxattr(r1 / "d" / "orig", "user.gone", b"x")
+    os.setxattr(r1 / "d", "user.dir", b"d")
+    assert os.getxattr(r0 / "d" / "orig", "user.note") == b"from rank 1"
+    assert sorted(os.listxattr(r0 / "d" / "orig")) == ["user.gone", "user.note"]
+    assert os.getxattr(r0 / "d", "user.dir") == b"d"
+    os.removexattr(r1 / "d" / "orig", "user.gone")
+    assert os.listxattr(r0 / "d" / "orig") == ["user.note"]
+    with pytest.raises(OSError) as ei:
+        os.getxattr(r0 / "d" / "orig", "user.gone")
+    assert ei.value.errno == errno.ENODATA
+    with open(r1 / "d" / "orig", "r+b") as f:  # set while the file is changed: its commit publishes
+        f.write(b"AGAIN!!")
+        os.setxattr(f.fileno(), "user.note", b"while dirty")
+    assert os.getxattr(r0 / "d" / "orig", "user.note") == b"while dirty"
+    assert (r0 / "d" / "renamed").read_bytes() == b"AGAIN!!" + body[7:]
+    with pytest.raises(OSError) as ei:  # another rank's entry: EPERM
+        os.setxattr(r0 / "d" / "orig", "user.mine", b"no")
+    assert ei.value.errno == errno.EPERM
     out = tmp_path / "out"
     r = run_cli("umount", m.template, "--stage-out", out, env=m.env)
     m.umount_result = r
     assert (out / "d" / "orig").stat().st_ino == (out / "d" / "renamed").stat().st_ino
-    assert (out / "d" / "renamed").read_bytes() == b"CHANGED" + body[7:]
+    assert (out / "d" / "renamed").read_bytes() == b"AGAIN!!" + body[7:]
     assert os.readlink(out / "d" / "sym") == "orig"
+    assert os.getxattr(out / "d" / "renamed", "user.note") == b"while dirty"
+    assert os.getxattr(out / "d", "user.dir") == b"d"

@@ -245,16 +245,16 @@ class Operations(pyfuse3.Operations):
 
     @_translate
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext):
-        return self.view.listxattr(inode, ctx.uid)
+        return await self.view.listxattr(inode, ctx.uid)
 
     @_translate
     async def setxattr(self, inode: int, name: bytes, value: bytes,
                        ctx: pyfuse3.RequestContext) -> None:
-        self.view.setxattr(inode, name, value)
+        await self.view.setxattr(inode, name, value)
 
     @_translate
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        self.view.setxattr(inode, name, None)
+        await self.view.setxattr(inode, name, None)
 
     @_translate
     async def symlink(self, parent_inode: int, name: bytes, target: bytes,

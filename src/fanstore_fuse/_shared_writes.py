@@ -1,8 +1,9 @@
 """Files written on one rank, visible on every rank (close-to-open), over MPI.
 
-The writer keeps the data on its own SSD (`WriteStore`). It publishes each entry to the
-entry's metadata owner (`Placement.locate_metadata(path)`) and to the owner of the parent
-directory (for listings) when it creates, commits (close/fsync), renames or removes it, and
+The writer keeps the data on its own SSD (`WriteStore`). It publishes each entry (with its
+``user.*`` attributes) to the entry's metadata owner (`Placement.locate_metadata(path)`) and to
+the owner of the parent directory (for listings) when it creates, commits (close/fsync),
+renames, changes the attributes of or removes it, and
 (without OPEN/FLUSH, see `MountView.no_open`) when a write makes a committed file dirty again.
 An entry published uncommitted (created or dirty) sends a reader's lookup to the writer
 (`OP_W_SYNC`): the writer commits what its daemon has (every WRITE of a closed file reached it
@@ -69,15 +70,17 @@ class Published:
     committed: bool = False
     seq: int = 0  # the writer's order of descriptions: a late publish never undoes a newer one
     target: bytes = b""  # a symlink's
+    xattrs: dict[bytes, bytes] = field(default_factory=dict)  # user.* attributes
 
     def wire(self) -> list[object]:
         return [self.path, self.kind, self.writer, self.mode, self.uid, self.gid, self.mtime_ns,
-                self.size, self.xxh3, self.chunks, self.committed, self.seq, self.target]
+                self.size, self.xxh3, self.chunks, self.committed, self.seq, self.target,
+                self.xattrs]
 
     @classmethod
     def from_wire(cls, w: object) -> Published:
-        if (not isinstance(w, list) or len(w) != 13 or not isinstance(w[0], bytes)
-                or not isinstance(w[12], bytes)):
+        if (not isinstance(w, list) or len(w) != 14 or not isinstance(w[0], bytes)
+                or not isinstance(w[12], bytes) or not isinstance(w[13], dict)):
             raise PeerError("malformed published entry")
         return cls(*w)  # type: ignore[arg-type]
 
@@ -153,7 +156,7 @@ class SharedWrites:
         assert self.store is not None
         rec = self.store.getattr(path)
         e = Published(path, rec.kind, self.rank, rec.mode, rec.uid, rec.gid, rec.mtime_ns,
-                      rec.size, seq=next(self._seq))
+                      rec.size, seq=next(self._seq), xattrs=self.store.xattrs(path))
         if rec.kind == KIND_LINK:
             e.target, e.committed = self.store.readlink(path), True
         elif rec.kind != KIND_DIR:

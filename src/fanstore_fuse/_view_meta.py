@@ -3,7 +3,8 @@
 A mixin of `MountView` (which provides `node`, `writes`, `status` and `owner_uid`).
 Dataset files carry read-only ``user.fanstore.*`` attributes and the root the owner's
 ``user.fanstore.status``. Entries written on this node keep ``user.*`` attributes (set, get,
-list, remove; journaled, staged out with them). Setting attributes: ``system.posix_acl_*``
+list, remove; journaled, staged out with them), published with the entry (`SharedWrites`), so
+other nodes get and list them. Setting attributes: ``system.posix_acl_*``
 gives **ENOTSUP** on every entry (so ``cp -p``, ``cp -a`` and ``install -m`` treat ACLs as
 unsupported, as on a file system mounted without ACLs), other names EROFS on the dataset,
 ENOTSUP on written entries unless ``user.*``, and EPERM on another node's entries.
@@ -18,8 +19,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from ._errors import AccessDenied, NoData, NotPermitted, ReadOnly, Unsupported
+from ._format import KIND_DIR
 from ._node import Node
-from ._shared_writes import REMOTE_INODE_BASE
+from ._shared_writes import REMOTE_INODE_BASE, Published, SharedWrites
 from .writes import WRITE_INODE_BASE, WriteStore
 
 XATTR_PREFIX = b"user.fanstore."
@@ -41,6 +43,7 @@ class FsFigures:
 class ViewMeta:
     node: Node
     writes: WriteStore | None
+    shared: SharedWrites | None
     owner_uid: int
     status: Callable[[], Awaitable[dict[str, object]]]
 
@@ -76,11 +79,22 @@ class ViewMeta:
             return None
         return self.writes.path(inode)
 
+    async def _written_elsewhere(self, inode: int) -> Published | None:
+        """An entry written on another node, as published now (None for any other inode)."""
+        if self.shared is None or inode < REMOTE_INODE_BASE:
+            return None
+        return await self.shared.stat(self.shared.path(inode))
+
     async def getxattr(self, inode: int, name: bytes, uid: int) -> bytes:
         path = self._written_here(inode)
         if path is not None:
             assert self.writes is not None
             return self.writes.getxattr(path, name)
+        e = await self._written_elsewhere(inode)
+        if e is not None:
+            if name not in e.xattrs:
+                raise NoData(f"no attribute {name!r}")
+            return e.xattrs[name]
         if inode == 1 and name == STATUS_XATTR:
             if not self._control_allowed(uid):
                 raise AccessDenied("the status is for the mount's owner")
@@ -90,18 +104,22 @@ class ViewMeta:
             raise NoData(f"no attribute {name!r}")
         return value
 
-    def listxattr(self, inode: int, uid: int) -> list[bytes]:
+    async def listxattr(self, inode: int, uid: int) -> list[bytes]:
         path = self._written_here(inode)
         if path is not None:
             assert self.writes is not None
             return self.writes.listxattr(path)
+        e = await self._written_elsewhere(inode)
+        if e is not None:
+            return sorted(e.xattrs)
         names = list(self._xattrs(inode))
         if inode == 1 and self._control_allowed(uid):
             names.append(STATUS_XATTR)
         return names
 
-    def setxattr(self, inode: int, name: bytes, value: bytes | None) -> None:
-        """setxattr, and removexattr (`value` None); see the module docstring."""
+    async def setxattr(self, inode: int, name: bytes, value: bytes | None) -> None:
+        """setxattr, and removexattr (`value` None); see the module docstring. Published at
+        once, except a file changed since its commit: its commit publishes it."""
         if name.startswith(ACL_PREFIX):
             raise Unsupported("POSIX ACLs are not supported", errno.ENOTSUP)
         if inode < WRITE_INODE_BASE:
@@ -111,5 +129,8 @@ class ViewMeta:
             if self.writes is None and inode < REMOTE_INODE_BASE:
                 raise ReadOnly("this mount is read-only")
             raise NotPermitted("only the writing node may change this entry")
-        assert self.writes is not None
-        self.writes.setxattr(path, name, value)
+        w = self.writes
+        assert w is not None
+        w.setxattr(path, name, value)
+        if self.shared is not None and (w.getattr(path).kind == KIND_DIR or not w.is_dirty(path)):
+            await self.shared.publish(path)
