@@ -53,7 +53,8 @@ test-sanitize: $(STAMP)
 # ($(OMPI_VENV), no mpich extra) with mpi4py built from source against Open MPI, once; the built
 # wheel is kept in ~/.cache/fanstore-fuse (scripts/openmpi-venv.sh). Then the tests that start
 # real ranks through `mount --ranks`, the launcher checks, prolog mode's join (ompi-server), and
-# (as root) the Slurm job-script and prolog flows on the one-machine cluster, and remote reads
+# (as root) the Slurm job-script and prolog flows on the one-machine cluster (written hard
+# links, symlinks, xattrs and a log read across nodes among them), and remote reads
 # (tests/test_remote.py: the same Python code as under MPICH).
 OMPI_VENV ?= .venv-ompi
 OMPI_STAMP := $(OMPI_VENV)/.installed
@@ -61,7 +62,8 @@ OMPI_TESTS ?= tests/test_mpilib.py tests/test_mpi_launch.py tests/test_cluster.p
   tests/test_transport.py tests/test_slurm.py tests/test_rendezvous.py tests/test_slurm_prolog.py \
   tests/cluster/test_site_mpi.py tests/cluster/test_prolog.py \
   tests/cluster/test_jobscript.py::test_job_script_mounts_on_every_node_and_leaves_nothing \
-  tests/cluster/test_jobscript.py::test_ranks_that_do_not_meet_fail_with_one_clear_line
+  tests/cluster/test_jobscript.py::test_ranks_that_do_not_meet_fail_with_one_clear_line \
+  tests/cluster/test_links_cluster.py
 $(OMPI_STAMP): pyproject.toml scripts/openmpi-venv.sh $(PYFUSE3_PATCH)
 	@bash scripts/install-deps.sh $(SLURM_DEPS)
 	bash scripts/openmpi-venv.sh $(OMPI_VENV) test
