@@ -80,7 +80,8 @@ class Published:
     @classmethod
     def from_wire(cls, w: object) -> Published:
         if (not isinstance(w, list) or len(w) != 14 or not isinstance(w[0], bytes)
-                or not isinstance(w[12], bytes) or not isinstance(w[13], dict)):
+                or not isinstance(w[12], bytes) or not isinstance(w[13], dict)
+                or not all(isinstance(k, bytes) and isinstance(v, bytes) for k, v in w[13].items())):
             raise PeerError("malformed published entry")
         return cls(*w)  # type: ignore[arg-type]
 
