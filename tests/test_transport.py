@@ -73,3 +73,30 @@ def test_large_tcp_messages_go_by_rendezvous_unless_the_environment_says_otherwi
     env = {"SLURM_JOB_ID": "7", "FI_TCP_MAX_SAVED_SIZE": "18446744073709551615"}
     mpi_env_defaults(env)
     assert env["FI_TCP_MAX_SAVED_SIZE"] == "18446744073709551615"
+
+
+def test_reply_clock_sleeps_through_most_of_a_round_trip_and_shrinks_when_it_overslept():
+    import threading
+    import time
+
+    from fanstore_fuse._transport import ReplyClock, lower_timer_slack
+
+    clock = ReplyClock()
+    assert clock.sleep(time.monotonic()) == 0.0  # nothing awaited
+    clock.sent(1)
+    time.sleep(0.002)
+    clock.missed()  # polled for it and it was not there yet
+    clock.answered(1)  # a measured round trip of ~2 ms: expected a little under, at most LONGEST
+    assert clock.rtt == ReplyClock.LONGEST
+    clock.sent(2)
+    wait = clock.sleep(time.monotonic())
+    assert 0.0009 < wait <= ReplyClock.LONGEST
+    clock.answered(2)  # there at the first poll after the sleep: it may have waited
+    assert clock.rtt == pytest.approx(0.8 * ReplyClock.LONGEST)
+    clock.sent(3)
+    clock.forget()  # timed out: nothing awaited any more
+    assert clock.sleep(time.monotonic()) == 0.0
+
+    lower_timer_slack(2000)
+    with open(f"/proc/{threading.get_native_id()}/timerslack_ns") as f:
+        assert int(f.read()) == 2000

@@ -3,12 +3,12 @@
 The MPI thread posts `Isend`s from an outgoing queue (an eager send is complete at once and
 not tracked), matches incoming messages with `improbe` + `Message.Recv`, completes rendezvous
 sends with `Testsome`, and polls: MPI offers nothing to block on (MPICH's blocking calls spin a
-core), so the thread sleeps between polls, the interval doubling from 20 us to 100 us while
-nothing arrives (`POLL_FIRST`, `POLL_MAX`), 5 ms after a quarter second without traffic
-(`IDLE_AFTER`, `IDLE_SLEEP`) and 20 ms after a minute (`DEEP_IDLE_SLEEP`), so an idle daemon costs a few
-hundred wake-ups a second at most. A frame posted by trio (a request or a reply of this rank)
-sets an event that ends the wait at once; only a frame from another rank waits for the next
-poll.
+core), so the thread sleeps between polls. A reply it waits for is slept for until it is due
+(`ReplyClock`), then polled for from 20 us up to 100 us (`POLL_FIRST`, `POLL_MAX`); so are a
+rendezvous send and, for a quarter second after a peer's last request (`IDLE_AFTER`), the
+peers' next requests. Otherwise it idles 5 ms between polls (`IDLE_SLEEP`), 20 ms after a
+minute (`DEEP_IDLE_SLEEP`). A frame posted by trio (a request or a reply of this rank) ends any
+sleep at once; only a frame from another rank waits for the next poll.
 
 Blob requests are answered on the MPI thread itself when the page cache holds the blob, or by
 one of its disk threads (`HandlerTable.register_inline`): no hop to trio and back. Every other
@@ -51,12 +51,10 @@ from ._messages import (
 
 log = logging.getLogger("fanstore_fuse.transport")
 
-# Poll intervals of the MPI thread. A reply is due within tens of microseconds between ranks of
-# one host, so the first wait is short. A peer's request waits for this rank's next poll, and a
+# Poll intervals of the MPI thread. A peer's request waits for this rank's next poll, and a
 # reader of remote files pays that wait twice per file (its request, the reply), so while
-# traffic is recent the interval stays short (POLL_MAX; `python -m bench.cost` shows the remote
-# latency and CPU per file). A quarter second after the last message the thread backs off to
-# IDLE_SLEEP.
+# requests are recent the interval stays short (POLL_MAX); each poll is a wake-up that costs
+# CPU (`python -m bench.cost` shows the remote latency and CPU per file).
 POLL_FIRST = 20e-6
 POLL_MAX = 100e-6
 POLL_GROWTH = 2.0
@@ -208,6 +206,65 @@ class NoPeers:
         raise PeerError(f"there is no rank {dest}: this mount has one rank")
 
 
+def lower_timer_slack(slack_ns: int = 1000) -> None:
+    """Let the calling thread's timed waits end when asked (proc(5), timerslack_ns): Linux adds
+    50 us of slack to every timed sleep of a thread by default, as long as a poll of the MPI
+    thread. Nothing changes where the file is missing or refused."""
+    path = f"/proc/{threading.get_native_id()}/timerslack_ns"
+    with contextlib.suppress(OSError), open(path, "w") as f:
+        f.write(str(slack_ns))
+
+
+class ReplyClock:
+    """When the replies this rank waits for are due. A round trip is mostly the peer's work (a
+    disk read), and each poll is a wake-up of the MPI thread that costs tens of microseconds
+    of CPU and contends with trio for the GIL, so the thread sleeps through most of the round
+    trip it expects for the oldest request it waits on, then polls (`python -m bench.cost`
+    shows the CPU per remote file and the latency).
+
+    The expectation is a little under the last round trip that was measured (a reply that
+    arrived while the thread polled for it). A reply already there at the first poll after the
+    sleep may have waited: the expectation then shrinks by a fifth, until the thread wakes
+    before the replies again."""
+
+    FIRST = 100e-6  # the estimate before any reply
+    LONGEST = 1e-3  # one sleep is never longer: a peer's request waits at most as long
+
+    def __init__(self) -> None:
+        self.rtt = self.FIRST
+        self._sent: dict[int, float] = {}  # request id -> when sent, oldest first
+        self._first_poll = False  # the coming poll is the first after a sleep to a reply
+
+    def sent(self, rid: int) -> None:
+        self._sent[rid] = time.monotonic()
+
+    def answered(self, rid: int) -> None:
+        t = self._sent.pop(rid, None)
+        if t is None:
+            return
+        if self._first_poll:
+            self.rtt *= 0.8
+        else:
+            self.rtt = min(self.LONGEST, 0.9 * (time.monotonic() - t))
+
+    def missed(self) -> None:
+        """A poll found nothing."""
+        self._first_poll = False
+
+    def forget(self) -> None:
+        """Nothing is awaited any more (requests that timed out are never answered)."""
+        self._sent.clear()
+
+    def sleep(self, now: float) -> float:
+        """Seconds until the oldest awaited reply is expected (0: it is due now)."""
+        if not self._sent:
+            return 0.0
+        oldest = next(iter(self._sent.values()))
+        wait = min(self.LONGEST, max(0.0, oldest + self.rtt - now))
+        self._first_poll = wait > 0
+        return wait
+
+
 class MpiTransport:
     def __init__(self, comm: Any, handlers: HandlerTable):
         self.comm = comm
@@ -351,6 +408,22 @@ class MpiTransport:
             err = Frame(0, rid, err=errno.EPROTO, body=why.encode())
             self._outq.append((source, TAG_RESPONSE, err.encode(), 0))
 
+    def _next_wait(self, delay: float, sending: bool, due: ReplyClock, served_at: float) -> float:
+        """How long the MPI thread sleeps when its last poll found nothing (`delay`: the
+        previous sleep, 0 after traffic). A send that must progress (rendezvous) and a peer's
+        next request (for IDLE_AFTER after the last) are polled for from POLL_FIRST up to
+        POLL_MAX; a reply is slept for until it is due (`ReplyClock`), then polled for the same
+        way; otherwise the thread idles. A post from trio ends any sleep at once."""
+        now = time.monotonic()
+        grown = min(POLL_MAX, delay * POLL_GROWTH) if delay else POLL_FIRST
+        due.missed()
+        if self._pending:
+            return grown if delay else (due.sleep(now) or POLL_FIRST)
+        due.forget()  # every request was answered or gave up
+        if sending or now - served_at < IDLE_AFTER:
+            return grown
+        return DEEP_IDLE_SLEEP if now - served_at > DEEP_IDLE_S else IDLE_SLEEP
+
     def _mpi_loop(self) -> None:
         from mpi4py import MPI
 
@@ -364,8 +437,10 @@ class MpiTransport:
         any_source, any_tag, byte = MPI.ANY_SOURCE, MPI.ANY_TAG, MPI.BYTE
         self._truncates = not MPI.Get_library_version().startswith("Open MPI")
         pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="fanstore-mpi-io")
+        lower_timer_slack()
         delay = 0.0
-        quiet_since = time.monotonic()
+        served_at = time.monotonic()  # when a peer's request last arrived
+        due = ReplyClock()
         while not self._stop.is_set():
             self.polls += 1
             busy = False
@@ -375,6 +450,8 @@ class MpiTransport:
                 try:
                     req = comm.Isend([data, byte], dest=dest, tag=tag)
                     self.bytes_sent += len(data)
+                    if tag == TAG_REQUEST:
+                        due.sent(rid)
                     if not req.Test():  # an eager send is complete at once: nothing to track
                         sends.append(req)
                         bufs.append(data)
@@ -385,6 +462,8 @@ class MpiTransport:
             batch: list[tuple[int, int, Wire]] = []
             for _ in range(64):
                 msg = comm.improbe(any_source, any_tag, status)
+                if msg is None:  # a second progress may complete what the first began
+                    msg = comm.improbe(any_source, any_tag, status)
                 if msg is None:
                     break
                 busy = True
@@ -396,6 +475,10 @@ class MpiTransport:
                 buf = alloc(n)
                 msg.Recv([buf, byte])
                 self.bytes_received += n
+                if tag == TAG_RESPONSE:
+                    due.answered(request_id_of(buf))
+                else:
+                    served_at = time.monotonic()
                 if tag == TAG_REQUEST and handlers.is_inline(buf):
                     # answered here from the page cache, or by a worker thread that reads the
                     # disk: either way without a hop to trio and back
@@ -422,16 +505,8 @@ class MpiTransport:
                         del bufs[i]
             if busy or outq:
                 delay = 0.0
-                quiet_since = time.monotonic()
                 continue
-            # Nothing moved: wait. A send that must progress (rendezvous) or a reply that is due
-            # polls from POLL_FIRST up; an idle thread backs off further (module docstring).
-            # A post from trio ends any wait at once.
-            delay = min(POLL_MAX, delay * POLL_GROWTH) if delay else POLL_FIRST
-            quiet = time.monotonic() - quiet_since
-            if not (sends or self._pending) and quiet > IDLE_AFTER:
-                deep = quiet > DEEP_IDLE_S
-                delay = DEEP_IDLE_SLEEP if deep else IDLE_SLEEP
+            delay = self._next_wait(delay, bool(sends), due, served_at)
             if self._wake.wait(delay):
                 self._wake.clear()
                 delay = 0.0
