@@ -94,7 +94,10 @@ def test_reply_clock_sleeps_through_most_of_a_round_trip_and_shrinks_when_it_ove
     clock.answered(2)  # there at the first poll after the sleep: it may have waited
     assert clock.rtt == pytest.approx(0.8 * ReplyClock.LONGEST)
     clock.sent(3)
-    clock.forget()  # timed out: nothing awaited any more
+    clock.sent(4)
+    assert clock.awaiting({3, 4})
+    assert clock.awaiting({4})  # trio gave up on 3 (a timeout): 4 is still due
+    assert not clock.awaiting(set())
     assert clock.sleep(time.monotonic()) == 0.0
 
     lower_timer_slack(2000)

@@ -23,6 +23,7 @@ from ._blobstore import BlobStore
 from ._diskcache import DiskCache
 from ._errors import ChecksumError, FanstoreError, NotFound, PeerError
 from ._messages import (
+    MAX_FRAME,
     OP_FETCH_BLOB,
     OP_LISTDIR,
     OP_LOOKUP,
@@ -261,23 +262,24 @@ def serve_handlers(
     async def ping(src: int, req: Frame) -> Frame:
         return Frame(req.op, req.req_id, rank)
 
-    def fetch_blob_now(src: int, req: Frame, may_block: bool) -> bytearray | memoryview | None:
-        """The reply frame, stored bytes read straight into it; None if `may_block` is false
-        and the page cache lacks them. Runs on the MPI thread first (no trio hop), then, when
-        the disk must be read, in a worker thread of the transport."""
+    def fetch_blob_now(src: int, req: Frame, block_upto: int) -> bytearray | memoryview | None:
+        """The reply frame, stored bytes read straight into it; None if the page cache lacks
+        them and they are more than `block_upto` bytes. Runs on the MPI thread first (no trio
+        hop), then, when the disk must be read, in a worker thread of the transport."""
         blob = req.arg
         if blob >= ns.m.n_blobs or not placement.holds(rank, blob):
             raise NotFound(f"rank {rank} does not hold blob {blob}")
-        buf, body = frame_buffer(req.op, req.req_id, blob, store.stored_size(blob))
-        if not store.stored_into(blob, body, nowait=not may_block):
+        size = store.stored_size(blob)
+        buf, body = frame_buffer(req.op, req.req_id, blob, size)
+        if not store.stored_into(blob, body, nowait=size > block_upto):
             return None
         node.stats.extra["served_blobs"] = node.stats.extra.get("served_blobs", 0) + 1
         return buf
 
     async def fetch_blob(src: int, req: Frame) -> Frame | bytearray | memoryview:
-        resp = fetch_blob_now(src, req, False)
+        resp = fetch_blob_now(src, req, 0)
         if resp is None:
-            resp = await trio.to_thread.run_sync(fetch_blob_now, src, req, True)
+            resp = await trio.to_thread.run_sync(fetch_blob_now, src, req, MAX_FRAME)
         assert resp is not None
         return resp
 

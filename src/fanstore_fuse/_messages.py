@@ -139,10 +139,10 @@ def unpack(body: bytes | bytearray | memoryview) -> Any:
 
 Wire = bytes | bytearray | memoryview  # a whole encoded frame
 Handler = Callable[[int, Frame], Awaitable["Frame | bytearray | memoryview"]]
-# Served on the transport's own thread (no trio hop): called with may_block=False first, where
-# it must not wait on the disk and returns None if it would; then again in a worker thread with
-# may_block=True. Must be thread-safe.
-InlineHandler = Callable[[int, Frame, bool], "Frame | bytearray | memoryview | None"]
+# Served on the transport's own thread (no trio hop): called with the most bytes it may wait on
+# the disk for (`block_upto`; 0: none), returning None if it would have to wait for more; then
+# again in a worker thread with a larger limit. Must be thread-safe.
+InlineHandler = Callable[[int, Frame, int], "Frame | bytearray | memoryview | None"]
 
 
 class HandlerTable:
@@ -170,12 +170,13 @@ class HandlerTable:
         with that op byte gets its error reply from `dispatch_inline`)."""
         return len(raw) >= HEADER.size and raw[3] in self._inline
 
-    def dispatch_inline(self, source: int, raw: Wire, may_block: bool) -> Wire | None:
-        """The reply of the op's inline handler, or None when it would block (call again with
-        may_block=True off the transport's thread); every failure becomes an error reply."""
+    def dispatch_inline(self, source: int, raw: Wire, block_upto: int) -> Wire | None:
+        """The reply of the op's inline handler, or None when it would have to wait on the
+        disk for more than `block_upto` bytes (call again with a larger `block_upto` off the
+        transport's thread); every failure becomes an error reply."""
         try:
             req = decode(raw)
-            resp = self._inline[req.op](source, req, may_block)
+            resp = self._inline[req.op](source, req, block_upto)
             return None if resp is None else _encode_reply(req, resp)
         except Exception as e:
             return _error_reply(raw, e)

@@ -28,7 +28,8 @@ import os
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Container
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 import trio
@@ -64,6 +65,10 @@ DEEP_IDLE_S = 60.0  # a minute without traffic (a training step that reads nothi
 DEEP_IDLE_SLEEP = 0.02  # ...then 50 wake-ups/s; the first request after it waits <= 20 ms
 MAX_SERVING = 64  # concurrent requests served per daemon
 IO_THREADS = 4  # threads reading the disk for inline requests the page cache cannot answer
+# A blob up to this size that the page cache lacks is read by the MPI thread itself while no
+# disk thread is busy: one reader's request then costs no hand-off to a disk thread and back
+# (each a wake-up of both threads); with several in flight they go to the disk threads.
+INLINE_DISK_BYTES = 256 << 10
 
 
 # MPICH's shared-memory path between ranks of one host sends a message of 8 KiB or more by CMA
@@ -251,9 +256,12 @@ class ReplyClock:
         """A poll found nothing."""
         self._first_poll = False
 
-    def forget(self) -> None:
-        """Nothing is awaited any more (requests that timed out are never answered)."""
-        self._sent.clear()
+    def awaiting(self, pending: Container[int]) -> bool:
+        """A reply is still due: a request sent and not answered that trio still waits for
+        (`pending`; one that timed out is never answered)."""
+        while self._sent and next(iter(self._sent)) not in pending:
+            del self._sent[next(iter(self._sent))]
+        return bool(self._sent)
 
     def sleep(self, now: float) -> float:
         """Seconds until the oldest awaited reply is expected (0: it is due now)."""
@@ -321,8 +329,8 @@ class MpiTransport:
 
     def _serve_blocking(self, source: int, raw: Wire) -> None:
         """An inline request that must wait on the disk, in a worker thread (no trio hop)."""
-        reply = self.handlers.dispatch_inline(source, raw, True)
-        assert reply is not None  # may_block: a handler answers or fails, never defers
+        reply = self.handlers.dispatch_inline(source, raw, MAX_FRAME)
+        assert reply is not None  # no limit: a handler answers or fails, never defers
         self.served += 1
         self.served_by_io += 1
         self._post(source, TAG_RESPONSE, reply, 0)
@@ -417,9 +425,8 @@ class MpiTransport:
         now = time.monotonic()
         grown = min(POLL_MAX, delay * POLL_GROWTH) if delay else POLL_FIRST
         due.missed()
-        if self._pending:
+        if due.awaiting(self._pending):
             return grown if delay else (due.sleep(now) or POLL_FIRST)
-        due.forget()  # every request was answered or gave up
         if sending or now - served_at < IDLE_AFTER:
             return grown
         return DEEP_IDLE_SLEEP if now - served_at > DEEP_IDLE_S else IDLE_SLEEP
@@ -437,6 +444,7 @@ class MpiTransport:
         any_source, any_tag, byte = MPI.ANY_SOURCE, MPI.ANY_TAG, MPI.BYTE
         self._truncates = not MPI.Get_library_version().startswith("Open MPI")
         pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="fanstore-mpi-io")
+        reading: list[Future[None]] = []  # requests the disk threads serve
         lower_timer_slack()
         delay = 0.0
         served_at = time.monotonic()  # when a peer's request last arrived
@@ -460,6 +468,7 @@ class MpiTransport:
                     if rid:
                         token.run_sync_soon(self._send_failed, rid, f"send failed: {e}")
             batch: list[tuple[int, int, Wire]] = []
+            disk = INLINE_DISK_BYTES if all(f.done() for f in reading) else 0
             for _ in range(64):
                 msg = comm.improbe(any_source, any_tag, status)
                 if msg is None:  # a second progress may complete what the first began
@@ -482,9 +491,11 @@ class MpiTransport:
                 if tag == TAG_REQUEST and handlers.is_inline(buf):
                     # answered here from the page cache, or by a worker thread that reads the
                     # disk: either way without a hop to trio and back
-                    reply = handlers.dispatch_inline(source, buf, False)
+                    reply = handlers.dispatch_inline(source, buf, disk)
+                    disk = 0  # one disk read here per poll at most: the next ones may wait
                     if reply is None:
-                        pool.submit(self._serve_blocking, source, buf)
+                        reading = [f for f in reading if not f.done()]
+                        reading.append(pool.submit(self._serve_blocking, source, buf))
                     else:
                         self.served += 1
                         self.served_inline += 1
