@@ -75,30 +75,38 @@ def test_large_tcp_messages_go_by_rendezvous_unless_the_environment_says_otherwi
     assert env["FI_TCP_MAX_SAVED_SIZE"] == "18446744073709551615"
 
 
-def test_reply_clock_sleeps_through_most_of_a_round_trip_and_shrinks_when_it_overslept():
+def test_the_mpi_thread_sleeps_through_most_of_what_it_expects_and_shrinks_when_it_overslept():
     import threading
     import time
 
-    from fanstore_fuse._transport import ReplyClock, lower_timer_slack
+    from fanstore_fuse._transport import ReplyClock, RequestClock, lower_timer_slack
 
     clock = ReplyClock()
     assert clock.sleep(time.monotonic()) == 0.0  # nothing awaited
     clock.sent(1)
     time.sleep(0.002)
-    clock.missed()  # polled for it and it was not there yet
-    clock.answered(1)  # a measured round trip of ~2 ms: expected a little under, at most LONGEST
-    assert clock.rtt == ReplyClock.LONGEST
+    clock.answered(1)  # arrived while polled for: ~2 ms measured, expected at most LONGEST
+    assert clock.estimate == ReplyClock.LONGEST
     clock.sent(2)
-    wait = clock.sleep(time.monotonic())
-    assert 0.0009 < wait <= ReplyClock.LONGEST
-    clock.answered(2)  # there at the first poll after the sleep: it may have waited
-    assert clock.rtt == pytest.approx(0.8 * ReplyClock.LONGEST)
+    assert 0.0009 < clock.sleep(time.monotonic()) <= ReplyClock.LONGEST
+    clock.first_poll = True  # slept to the expected time...
+    clock.answered(2)  # ...and it was there at the first poll: it may have waited
+    assert clock.estimate == pytest.approx(0.8 * ReplyClock.LONGEST)
     clock.sent(3)
     clock.sent(4)
     assert clock.awaiting({3, 4})
     assert clock.awaiting({4})  # trio gave up on 3 (a timeout): 4 is still due
     assert not clock.awaiting(set())
     assert clock.sleep(time.monotonic()) == 0.0
+
+    requests = RequestClock()
+    requests.arrived()
+    time.sleep(0.0005)
+    requests.arrived()  # a steady reader: the next one in a little under 0.5 ms
+    assert 0.0004 < requests.estimate < 0.0006
+    assert 0.0002 < requests.sleep(time.monotonic()) < 0.0006
+    requests.arrived()  # two at once: irregular, no sleep
+    assert requests.sleep(time.monotonic()) == 0.0
 
     lower_timer_slack(2000)
     with open(f"/proc/{threading.get_native_id()}/timerslack_ns") as f:

@@ -3,12 +3,12 @@
 The MPI thread posts `Isend`s from an outgoing queue (an eager send is complete at once and
 not tracked), matches incoming messages with `improbe` + `Message.Recv`, completes rendezvous
 sends with `Testsome`, and polls: MPI offers nothing to block on (MPICH's blocking calls spin a
-core), so the thread sleeps between polls. A reply it waits for is slept for until it is due
-(`ReplyClock`), then polled for from 20 us up to 100 us (`POLL_FIRST`, `POLL_MAX`); so are a
-rendezvous send and, for a quarter second after a peer's last request (`IDLE_AFTER`), the
-peers' next requests. Otherwise it idles 5 ms between polls (`IDLE_SLEEP`), 20 ms after a
-minute (`DEEP_IDLE_SLEEP`). A frame posted by trio (a request or a reply of this rank) ends any
-sleep at once; only a frame from another rank waits for the next poll.
+core), so the thread sleeps between polls. A reply it waits for and, for a quarter second after
+a peer's last request (`IDLE_AFTER`), the peers' next request are slept for until they are due
+(`ReplyClock`, `RequestClock`), then polled for from 20 us up to 100 us (`POLL_FIRST`,
+`POLL_MAX`), as is a rendezvous send. Otherwise the thread idles 5 ms between polls
+(`IDLE_SLEEP`), 20 ms after a minute (`DEEP_IDLE_SLEEP`). A frame posted by trio (a request or
+a reply of this rank) ends any sleep at once; a frame from another rank waits for the next poll.
 
 Blob requests are answered on the MPI thread itself when the page cache holds the blob, or by
 one of its disk threads (`HandlerTable.register_inline`): no hop to trio and back. Every other
@@ -220,41 +220,52 @@ def lower_timer_slack(slack_ns: int = 1000) -> None:
         f.write(str(slack_ns))
 
 
-class ReplyClock:
-    """When the replies this rank waits for are due. A round trip is mostly the peer's work (a
-    disk read), and each poll is a wake-up of the MPI thread that costs tens of microseconds
-    of CPU and contends with trio for the GIL, so the thread sleeps through most of the round
-    trip it expects for the oldest request it waits on, then polls (`python -m bench.cost`
-    shows the CPU per remote file and the latency).
+class _Expected:
+    """A low estimate of how long something takes (a round trip, the gap between requests),
+    for the MPI thread to sleep through most of it instead of polling: each poll is a wake-up
+    that costs tens of microseconds of CPU and contends with trio for the GIL
+    (`python -m bench.cost` shows the CPU per remote file and the latency).
 
-    The expectation is a little under the last round trip that was measured (a reply that
-    arrived while the thread polled for it). A reply already there at the first poll after the
-    sleep may have waited: the expectation then shrinks by a fifth, until the thread wakes
-    before the replies again."""
+    The estimate is a little under the last time measured while the thread polled for the
+    event. An event already there at the first poll after a sleep to its expected time may
+    have waited: the estimate then shrinks by a fifth, until the thread wakes before the events
+    again. Events that come irregularly keep it short (polling as without it)."""
 
-    FIRST = 100e-6  # the estimate before any reply
-    LONGEST = 1e-3  # one sleep is never longer: a peer's request waits at most as long
+    FIRST = 100e-6  # the estimate before anything was measured
+    LONGEST = 1e-3  # one sleep is never longer
 
     def __init__(self) -> None:
-        self.rtt = self.FIRST
+        self.estimate = self.FIRST
+        self.first_poll = False  # the coming poll is the first after a sleep to the expected time
+
+    def observe(self, took: float) -> None:
+        if self.first_poll:
+            self.estimate *= 0.8
+        else:
+            self.estimate = min(self.LONGEST, 0.9 * took)
+
+    def wait(self, since: float, now: float) -> float:
+        """Seconds from `now` to the expected time, counted from `since` (0: shorter than a
+        poll's first interval)."""
+        w = min(self.LONGEST, since + self.estimate - now)
+        return w if w >= POLL_FIRST else 0.0
+
+
+class ReplyClock(_Expected):
+    """When the replies this rank waits for are due: the oldest request's send plus the
+    expected round trip (mostly the peer's work, a disk read)."""
+
+    def __init__(self) -> None:
+        super().__init__()
         self._sent: dict[int, float] = {}  # request id -> when sent, oldest first
-        self._first_poll = False  # the coming poll is the first after a sleep to a reply
 
     def sent(self, rid: int) -> None:
         self._sent[rid] = time.monotonic()
 
     def answered(self, rid: int) -> None:
         t = self._sent.pop(rid, None)
-        if t is None:
-            return
-        if self._first_poll:
-            self.rtt *= 0.8
-        else:
-            self.rtt = min(self.LONGEST, 0.9 * (time.monotonic() - t))
-
-    def missed(self) -> None:
-        """A poll found nothing."""
-        self._first_poll = False
+        if t is not None:
+            self.observe(time.monotonic() - t)
 
     def awaiting(self, pending: Container[int]) -> bool:
         """A reply is still due: a request sent and not answered that trio still waits for
@@ -265,12 +276,26 @@ class ReplyClock:
 
     def sleep(self, now: float) -> float:
         """Seconds until the oldest awaited reply is expected (0: it is due now)."""
-        if not self._sent:
-            return 0.0
-        oldest = next(iter(self._sent.values()))
-        wait = min(self.LONGEST, max(0.0, oldest + self.rtt - now))
-        self._first_poll = wait > 0
-        return wait
+        return self.wait(next(iter(self._sent.values())), now) if self._sent else 0.0
+
+
+class RequestClock(_Expected):
+    """When peers' next request is due: the last one's arrival plus the expected gap. A reader
+    that reads one file after another sends its requests at a steady pace; several readers
+    make the gaps short and irregular, and the thread polls as without it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last = -math.inf  # when a peer's request last arrived
+
+    def arrived(self) -> None:
+        now = time.monotonic()
+        self.observe(now - self.last)
+        self.last = now
+
+    def sleep(self, now: float) -> float:
+        """Seconds until the next request is expected (0: it is due now)."""
+        return self.wait(self.last, now)
 
 
 class MpiTransport:
@@ -416,20 +441,28 @@ class MpiTransport:
             err = Frame(0, rid, err=errno.EPROTO, body=why.encode())
             self._outq.append((source, TAG_RESPONSE, err.encode(), 0))
 
-    def _next_wait(self, delay: float, sending: bool, due: ReplyClock, served_at: float) -> float:
+    def _next_wait(self, delay: float, sending: bool, reply: ReplyClock,
+                   request: RequestClock) -> float:
         """How long the MPI thread sleeps when its last poll found nothing (`delay`: the
-        previous sleep, 0 after traffic). A send that must progress (rendezvous) and a peer's
-        next request (for IDLE_AFTER after the last) are polled for from POLL_FIRST up to
-        POLL_MAX; a reply is slept for until it is due (`ReplyClock`), then polled for the same
-        way; otherwise the thread idles. A post from trio ends any sleep at once."""
+        previous sleep, 0 after traffic or a post from trio). An awaited reply and, for
+        IDLE_AFTER after the last, a peer's next request are slept for until they are due
+        (`ReplyClock`, `RequestClock`), then polled for from POLL_FIRST up to POLL_MAX, as is a
+        send that must progress (rendezvous); otherwise the thread idles. A post from trio ends
+        any sleep at once."""
         now = time.monotonic()
-        grown = min(POLL_MAX, delay * POLL_GROWTH) if delay else POLL_FIRST
-        due.missed()
-        if due.awaiting(self._pending):
-            return grown if delay else (due.sleep(now) or POLL_FIRST)
-        if sending or now - served_at < IDLE_AFTER:
-            return grown
-        return DEEP_IDLE_SLEEP if now - served_at > DEEP_IDLE_S else IDLE_SLEEP
+        reply.first_poll = request.first_poll = False  # this poll found nothing
+        awaiting = reply.awaiting(self._pending)
+        serving = now - request.last < IDLE_AFTER
+        if awaiting or serving or sending:
+            if delay or sending:
+                return min(POLL_MAX, delay * POLL_GROWTH) if delay else POLL_FIRST
+            r = reply.sleep(now) if awaiting else math.inf
+            q = request.sleep(now) if serving else math.inf
+            wait = min(r, q)
+            reply.first_poll, request.first_poll = 0 < r == wait, 0 < q == wait
+            return wait or POLL_FIRST
+        quiet = now - request.last
+        return DEEP_IDLE_SLEEP if quiet > DEEP_IDLE_S else IDLE_SLEEP
 
     def _mpi_loop(self) -> None:
         from mpi4py import MPI
@@ -447,8 +480,7 @@ class MpiTransport:
         reading: list[Future[None]] = []  # requests the disk threads serve
         lower_timer_slack()
         delay = 0.0
-        served_at = time.monotonic()  # when a peer's request last arrived
-        due = ReplyClock()
+        replies, requests = ReplyClock(), RequestClock()
         while not self._stop.is_set():
             self.polls += 1
             busy = False
@@ -459,7 +491,7 @@ class MpiTransport:
                     req = comm.Isend([data, byte], dest=dest, tag=tag)
                     self.bytes_sent += len(data)
                     if tag == TAG_REQUEST:
-                        due.sent(rid)
+                        replies.sent(rid)
                     if not req.Test():  # an eager send is complete at once: nothing to track
                         sends.append(req)
                         bufs.append(data)
@@ -485,9 +517,9 @@ class MpiTransport:
                 msg.Recv([buf, byte])
                 self.bytes_received += n
                 if tag == TAG_RESPONSE:
-                    due.answered(request_id_of(buf))
+                    replies.answered(request_id_of(buf))
                 else:
-                    served_at = time.monotonic()
+                    requests.arrived()
                 if tag == TAG_REQUEST and handlers.is_inline(buf):
                     # answered here from the page cache, or by a worker thread that reads the
                     # disk: either way without a hop to trio and back
@@ -517,10 +549,11 @@ class MpiTransport:
             if busy or outq:
                 delay = 0.0
                 continue
-            delay = self._next_wait(delay, bool(sends), due, served_at)
-            if self._wake.wait(delay):
+            delay = self._next_wait(delay, bool(sends), replies, requests)
+            if self._wake.wait(delay):  # a post from trio, not the time something was due
                 self._wake.clear()
                 delay = 0.0
+                replies.first_poll = requests.first_poll = False
         pool.shutdown(wait=False, cancel_futures=True)
         # Let queued sends finish briefly so peers get their answers.
         deadline = time.monotonic() + 1.0
