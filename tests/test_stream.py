@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -58,18 +59,27 @@ def test_cold_reads_of_the_local_copy(tmp_path, state_dir):
 @pytest.mark.timeout(240)
 @mpi_mount
 def test_a_serving_rank_with_a_cold_copy(tmp_path, state_dir):
-    """Rank 0 reads the blobs only rank 1 holds while rank 1's copy is cold (its disk threads
-    read them); every file reads back byte for byte."""
+    """Rank 0 reads the blobs only rank 1 holds while rank 1's copy is cold: with one reader
+    rank 1's MPI thread reads each small blob itself (no disk thread is busy), with four at
+    once its disk threads read them too; every file reads back byte for byte."""
     files = _tree(tmp_path / "src", n=300, seed=7)
     dest = prep_cli(tmp_path / "src", tmp_path / "dest", "-p", "4")
     local = tmp_path / "local"
     with mounted(dest, str(tmp_path / "mnt" / "{rank}"), state_dir, ranks=2,
-                 local=str(local / "{rank}"), env={"FANSTORE_CACHE_SIZE": "0"}) as m:
+                 local=str(local / "{rank}"), env={"FANSTORE_CACHE_SIZE": "0",
+                                                  "FANSTORE_CACHE_BYTES": str(1 << 20)}) as m:
+        root = Path(m.mountpoints[0])
         _evict(staged_copies(local / "1"))
-        _read_all(Path(m.mountpoints[0]), files, seed=2)
+        _read_all(root, files, seed=2)
         r0, r1 = status_ranks(m.status())
         assert r0["stats"]["remote_reads"] > 0 and r0["stats"]["errors"] == 0, r0
-        assert r1["mpi_served_by_io"] > 0, r1  # cold: read by the transport's disk threads
+        assert r1["mpi_served_inline"] > 0 and r1["mpi_served_by_io"] == 0, r1
+        _evict(staged_copies(local / "1"))
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda k: _read_all(root, files, seed=10 + k), range(4)))
+        r0, r1 = status_ranks(m.status())
+        assert r0["stats"]["errors"] == 0, r0
+        assert r1["mpi_served_by_io"] > 0, r1  # several cold requests at once: disk threads
 
 
 @pytest.mark.timeout(240)
