@@ -14,6 +14,7 @@ from ._blobcodec import BlobCodec, FrameTable, decode_frame, parse_table, table_
 from ._errors import ChecksumError
 from ._format import CODEC_FRAMED, Manifest, checksum
 from ._fsio import CachedReads
+from ._warmup import PartitionWarmup
 
 log = logging.getLogger("fanstore_fuse.blobs")
 MAX_TABLES = 4096  # verified frame tables kept (a 4 MiB blob's: ~4 KiB at 16 KiB frames)
@@ -55,6 +56,7 @@ class BlobStore:
         self._lock = threading.Lock()
         self._tables: OrderedDict[int, FrameTable] = OrderedDict()
         self._tlock = threading.Lock()
+        self.warmup: PartitionWarmup | None = None  # told of reads that miss the page cache
 
     def where(self, blob: int) -> str:
         p = self._part[blob]
@@ -103,10 +105,14 @@ class BlobStore:
     def _pread_nowait(self, blob: int, n: int, off: int) -> bytearray | None:
         """`n` bytes at `off` if the page cache has them all (RWF_NOWAIT), else None at once."""
         buf = bytearray(n)
+        part = self._part[blob]
+        fd = self._fd(part)
         try:
-            hit = self._cached.readinto(self._fd(self._part[blob]), buf, off)
+            hit = self._cached.readinto(fd, buf, off)
         except OSError as e:
             raise ChecksumError(f"{self.where(blob)}: read failed: {e.strerror}") from None
+        if not hit and self.warmup is not None:
+            self.warmup.miss(part, fd)
         return buf if hit else None  # the buffer itself: a copy costs as much as the read
 
     def stored(self, blob: int) -> bytes:
@@ -201,10 +207,14 @@ class BlobStore:
     def stored_into(self, blob: int, buf: memoryview, nowait: bool = False) -> bool:
         """Read the stored bytes of `blob` into `buf` (exactly its stored size), no extra copy.
         With `nowait`, only from the page cache (RWF_NOWAIT): False at once if it would wait."""
-        fd, off = self._fd(self._part[blob]), self._offset(blob)
+        part = self._part[blob]
+        fd, off = self._fd(part), self._offset(blob)
         try:
             if nowait:
-                return self._cached.readinto(fd, buf, off)
+                hit = self._cached.readinto(fd, buf, off)
+                if not hit and self.warmup is not None:
+                    self.warmup.miss(part, fd)
+                return hit
             n = os.preadv(fd, [buf], off)
         except OSError as e:
             raise ChecksumError(f"{self.where(blob)}: read failed: {e.strerror}") from None

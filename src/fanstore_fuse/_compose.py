@@ -35,12 +35,17 @@ from ._settings import Settings
 from ._shared_writes import SharedWrites
 from ._transport import MpiTransport, NoPeers, Transport
 from ._view import MountView
+from ._warmup import PartitionWarmup
 from ._workers import WORKERS
 from .writes import WriteStore
 
 __all__ = ["LocalOnlyPlacement", "Parts", "compose"]
 
 log = logging.getLogger("fanstore_fuse.compose")
+
+
+def _bump(counts: dict[str, int], key: str) -> None:
+    counts[key] = counts.get(key, 0) + 1
 
 
 @dataclass
@@ -155,6 +160,8 @@ def compose(
     table = HandlerTable()
     transport = connect(table)
     local = LocalBlobSource(store, stats)
+    store.warmup = PartitionWarmup(store.local_dir, [p.name for p in manifest.partitions],
+                                   count=lambda: _bump(stats.extra, "partition_readaheads"))
     cluster = ClusterBlobSource(rank, placement, local, source_store, transport, stats,
                                 peer_timeout)
     source: BlobSource = cluster

@@ -160,11 +160,12 @@ class _Fetch:
     """One fetch in flight: readers of the same key wait on it and share its outcome (no
     error and no data: the waiters fetch again themselves)."""
 
-    __slots__ = ("done", "error")
+    __slots__ = ("data", "done", "error")
 
     def __init__(self) -> None:
         self.done = trio.Event()
         self.error: FanstoreError | None = None
+        self.data: bytes | None = None  # for the waiters when the blob is not kept
 
 
 class BlobCache:
@@ -231,7 +232,10 @@ class BlobCache:
                 del self._pending[k]
                 f.done.set()
 
-    async def get(self, blob: Hashable) -> bytes:
+    async def get(self, blob: Hashable, keep: bool = True) -> bytes:
+        """The blob, from memory or fetched once however many ask at a time. `keep=False`:
+        not kept after those waiting have it (a READ of a whole small file: the kernel's
+        page cache keeps its bytes, and memory the cache would fill costs page faults)."""
         while True:
             data = self._data.get(blob)
             if data is None:
@@ -246,11 +250,16 @@ class BlobCache:
             await pending.done.wait()
             if pending.error is not None:
                 raise pending.error
+            if pending.data is not None:
+                self._stats.cache_hits += 1  # shared the fetch in flight
+                return pending.data
         self._stats.cache_misses += 1
         pending = self._pending[blob] = _Fetch()
         self._stats.in_flight += 1
         try:
             data = await self._fetch(blob)
+            if not keep:
+                pending.data = data
         except FanstoreError as e:
             self._stats.errors += 1
             pending.error = e
@@ -259,7 +268,8 @@ class BlobCache:
             self._stats.in_flight -= 1
             del self._pending[blob]
             pending.done.set()
-        self._insert(blob, data)
+        if keep:
+            self._insert(blob, data)
         return data
 
     def _insert(self, blob: Hashable, data: bytes) -> None:
@@ -374,6 +384,7 @@ class Node:
         if frames is not None and (not frames.usable(first + k0)
                                    or frames.sequential(index, off, end)):
             frames = None  # not framed here, or a sequential reader: whole blobs, read-ahead
+        whole = rec.count == 1 and off == 0 and end == rec.size
         parts = []
         for k in range(k0, k1 + 1):
             base = k * chunk
@@ -390,7 +401,7 @@ class Node:
                         raise
                     log.error("blob %d: bad local frame, fetching the whole blob", first + k)
             try:
-                data = await self.cache.get(first + k)
+                data = await self.cache.get(first + k, keep=not whole)
                 # a whole small blob goes out as it is (slicing a bytearray would copy it)
                 parts.append(data if lo == 0 and hi == len(data) else data[lo:hi])
             except ChecksumError:
