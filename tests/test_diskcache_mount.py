@@ -14,6 +14,7 @@ from _pagecache import drop_page_cache
 from fanstore_fuse._diskcache import DATA_START
 from fanstore_fuse._format import MANIFEST_NAME
 from fanstore_fuse._manifest import read_manifest
+from fanstore_fuse._node import BlobCache
 from fanstore_fuse._ring import Placement
 
 
@@ -75,7 +76,11 @@ def test_two_ranks_second_pass_from_the_disk_cache(tmp_path, mount_factory):
     assert second["stats"]["remote_reads"] == first["stats"]["remote_reads"]  # nothing fetched
     assert second["disk_cache"]["entries"] == len(remote)
     hits = second["disk_cache"]["hits"] - first["disk_cache"]["hits"]
-    assert hits >= len(remote)
+    # every remote blob from the disk cache, but for the last few blobs of files read in several
+    # READs, still in the memory cache's slots for blobs over its limit (a READ of a whole
+    # one-blob file keeps nothing there)
+    memory = second["stats"]["cache_hits"] - first["stats"]["cache_hits"]
+    assert hits >= len(remote) - BlobCache.BIG_SLOTS and hits + memory >= len(remote)
     local = second["stats"]["local_reads"] - first["stats"]["local_reads"]
     assert local >= hits  # a disk cache hit is a local read
     # Damage rank 0's cache files: the next pass still reads exact bytes, fetching again.
