@@ -111,7 +111,7 @@ class BlobStore:
             hit = self._cached.readinto(fd, buf, off)
         except OSError as e:
             raise ChecksumError(f"{self.where(blob)}: read failed: {e.strerror}") from None
-        if not hit and self.warmup is not None:
+        if not hit and self.warmup is not None and self._cached.supported:
             self.warmup.miss(part, fd)
         return buf if hit else None  # the buffer itself: a copy costs as much as the read
 
@@ -210,11 +210,13 @@ class BlobStore:
         part = self._part[blob]
         fd, off = self._fd(part), self._offset(blob)
         try:
-            if nowait:
-                hit = self._cached.readinto(fd, buf, off)
-                if not hit and self.warmup is not None:
+            if nowait or self.warmup is not None:  # a miss is what the warm-up waits for
+                if self._cached.readinto(fd, buf, off):
+                    return True
+                if self.warmup is not None and self._cached.supported:
                     self.warmup.miss(part, fd)
-                return hit
+                if nowait:
+                    return False
             n = os.preadv(fd, [buf], off)
         except OSError as e:
             raise ChecksumError(f"{self.where(blob)}: read failed: {e.strerror}") from None
