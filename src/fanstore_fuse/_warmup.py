@@ -63,7 +63,9 @@ class PartitionWarmup:
         self.done = 0  # partitions read into the page cache
 
     def miss(self, part: int, fd: int) -> None:
-        """A read of partition `part` (open as `fd`) waited on the disk. Never blocks."""
+        """A read of partition `part` (open as `fd`) waited on the disk. Never blocks. The
+        thread reads a duplicate of `fd`: the store may close its own meanwhile, and the number
+        be reused for another file."""
         now = time.monotonic()
         with self._lock:
             ended = self._ended.get(part)
@@ -74,7 +76,13 @@ class PartitionWarmup:
                 self._thread = threading.Thread(target=self._run, name="fanstore-warmup",
                                                 daemon=True)
                 self._thread.start()
-        self._q.put((part, fd))
+        try:
+            own = os.dup(fd)
+        except OSError:
+            with self._lock:
+                self._ended[part] = now
+            return
+        self._q.put((part, own))
 
     def fits(self) -> bool:
         """The node's partition files take at most half of the available memory."""
@@ -106,7 +114,8 @@ class PartitionWarmup:
                     if self._count is not None:
                         self._count()
             except OSError:
-                pass  # closed meanwhile, or no sendfile here: reads still work, uncached
+                pass  # no sendfile here: reads still work, uncached
             finally:
+                os.close(fd)
                 with self._lock:
                     self._ended[part] = time.monotonic()

@@ -54,11 +54,24 @@ def _no_mount_anywhere(c, job: int) -> None:
         assert [m for m in c.fuse_mounts(k) if "fanstore" in m] == [], f"n{k}: a mount is left"
         for needle in ("fanstore_fuse", "fanstore-fuse"):
             assert c.procs(k, needle) == [], f"n{k}: fanstore processes left"
-        assert not (c.node_tmp(k) / f"fanstore-local-{job}").exists(), f"n{k}: local copy left"
+        local = c.node_tmp(k) / f"fanstore-local-{job}"
+        assert not local.exists(), f"n{k}: local copy left\n{_node_report(c, k, local)}"
         state = c.node_tmp(k) / "fanstore-fuse-0"
         stale = sorted(p.name for p in state.iterdir() if not p.name.endswith(".log")) \
             if state.exists() else []
         assert stale == [], f"n{k}: mount state left: {stale}"
+
+
+def _node_report(c, k: int, local: Path) -> str:
+    """What node `k` kept, for a failure message: its local dir's entries, and the tail of the
+    launcher logs (every rank's output) in each node's state dir."""
+    lines = [f"n{k} {local}: {sorted(p.name for p in local.iterdir()) if local.is_dir() else '-'}"]
+    for j in range(c.nodes):
+        state = c.node_tmp(j) / "fanstore-fuse-0"
+        for log in sorted(state.glob("*.log")) if state.is_dir() else []:
+            tail = log.read_text(errors="replace").splitlines()[-40:]
+            lines += [f"n{j} {log.name}: {ln}" for ln in tail]
+    return "\n".join(lines)
 
 
 def _staged(out: Path, hosts: tuple[str, ...], big: dict[str, int]) -> int:
