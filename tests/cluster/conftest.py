@@ -10,10 +10,14 @@ root, no namespaces, Slurm not installable); in CI (CI=true) a failed install fa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,3 +51,69 @@ def jobs(slurm_cluster: Cluster) -> Iterator[Path]:
                         f"FANSTORE_JOB_DIR={d}\n")
     yield d
     env_file.unlink()
+
+
+def _leftovers(c: Cluster) -> list[str]:
+    """What a test left on the cluster: jobs still queued, nodes not idle (drained by a failed
+    prolog or epilog), fanstore mounts, processes and /tmp entries on any node. A state dir
+    holding only launcher logs (which `umount` keeps) is removed, not reported."""
+    out = []
+    r = subprocess.run(["squeue", "-h", "-o", "%i %T"], env=c.env(), capture_output=True,
+                       text=True, timeout=30)
+    out += [f"job {ln}" for ln in r.stdout.split("\n") if ln.strip()]
+    r = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T %E"], env=c.env(), capture_output=True,
+                       text=True, timeout=30)
+    out += [f"node {ln}" for ln in r.stdout.split("\n")
+            if ln.strip() and ln.split()[1] not in ("idle", "IDLE")]
+    for k in range(c.nodes):
+        out += [f"n{k}: mount {m}" for m in c.fuse_mounts(k) if "fanstore" in m]
+        out += [f"n{k}: pid {p} {cmd[:80]}" for p, cmd in c.procs(k, "fanstore")]
+        for e in c.local_entries(k):
+            p = c.node_tmp(k) / e
+            inside = sorted(q.name for q in p.iterdir()) if p.is_dir() else []
+            if e.startswith("fanstore-fuse-") and all(n.endswith(".log") for n in inside):
+                shutil.rmtree(p, ignore_errors=True)  # launcher logs stay after `umount`
+                continue
+            out.append(f"n{k}: /tmp/{e} {inside}")
+    return out
+
+
+def _clean(c: Cluster) -> None:
+    """End what `_leftovers` found: cancel jobs, lazily unmount, SIGKILL the processes by pid,
+    remove the /tmp entries, resume the nodes."""
+    subprocess.run(["scancel", "--user", "root"], env=c.env(), capture_output=True, timeout=30)
+    for k in range(c.nodes):
+        for m in c.fuse_mounts(k):
+            if "fanstore" in m:
+                c.run_on(k, ["fusermount3", "-u", "-z", m], check=False)
+        for p, _ in c.procs(k, "fanstore"):
+            with contextlib.suppress(OSError):
+                os.kill(p, signal.SIGKILL)
+        for e in c.local_entries(k):
+            p = c.node_tmp(k) / e
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+    names = ",".join(f"n{k}" for k in range(c.nodes))
+    subprocess.run(["scontrol", "update", f"NodeName={names}", "State=RESUME"], env=c.env(),
+                   capture_output=True, timeout=30)
+
+
+@pytest.fixture(autouse=True)
+def _isolated(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each test on the session's cluster leaves it as it found it: after the test (its jobs
+    given a minute to end and their epilogs to run), anything left is removed and the test
+    errors naming it, so that one test's leftovers never fail the tests after it."""
+    yield
+    if "slurm_cluster" not in request.fixturenames:
+        return
+    c = request.getfixturevalue("slurm_cluster")
+    deadline = time.monotonic() + 60
+    left = _leftovers(c)
+    while left and time.monotonic() < deadline:
+        time.sleep(1)
+        left = _leftovers(c)
+    if left:
+        _clean(c)
+        pytest.fail("the test left on the cluster:\n" + "\n".join(left), pytrace=False)
