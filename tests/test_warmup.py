@@ -89,3 +89,22 @@ def test_a_cold_mount_reads_its_partitions_ahead(tmp_path, state_dir):
         s = status_ranks(m.status())[0]["stats"]
         assert 1 <= s["partition_readaheads"] <= len(parts), s
         assert s["errors"] == 0 and s["reads"] >= len(files), s
+
+
+def test_a_daemon_thread_carries_its_name_in_the_os():
+    """`name_this_thread`: `top -H`, py-spy and bench.cost see the thread's own name."""
+    import threading
+
+    from fanstore_fuse._fsio import name_this_thread
+
+    seen: list[str] = []
+
+    def run() -> None:
+        name_this_thread()
+        with open("/proc/thread-self/comm") as f:
+            seen.append(f.read().strip())
+
+    t = threading.Thread(target=run, name="fanstore-warmup-and-more")
+    t.start()
+    t.join()
+    assert seen == ["fanstore-warmup"]  # the OS keeps 15 bytes

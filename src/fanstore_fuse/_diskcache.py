@@ -44,7 +44,7 @@ import numpy as np
 
 from ._errors import FanstoreError
 from ._format import CODEC_FRAMED, checksum
-from ._fsio import CachedReads, untouched_zeros
+from ._fsio import CachedReads, name_this_thread, untouched_zeros
 from ._safepath import open_private
 from ._settings import parse_cache_size
 
@@ -267,6 +267,7 @@ class DiskCache:
         return self._idle.wait(timeout)
 
     def _writer(self) -> None:
+        name_this_thread()
         while True:
             item = self._queue.get()
             if item is None:

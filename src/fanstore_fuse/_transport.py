@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import trio
 
 from ._errors import FanstoreError, PeerError
+from ._fsio import name_this_thread
 from ._messages import (
     HEADER,
     MAX_FRAME,
@@ -476,9 +477,11 @@ class MpiTransport:
         outq, handlers = self._outq, self.handlers
         any_source, any_tag, byte = MPI.ANY_SOURCE, MPI.ANY_TAG, MPI.BYTE
         self._truncates = not MPI.Get_library_version().startswith("Open MPI")
-        pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="fanstore-mpi-io")
+        pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="fanstore-mpi-io",
+                                  initializer=name_this_thread)
         reading: list[Future[None]] = []  # requests the disk threads serve
         lower_timer_slack()
+        name_this_thread()
         delay = 0.0
         replies, requests = ReplyClock(), RequestClock()
         while not self._stop.is_set():

@@ -27,6 +27,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from ._fsio import name_this_thread
+
 AGAIN_AFTER = 1.0  # seconds after a partition's read-ahead before a miss may ask again
 STEP = 8 << 20  # bytes per sendfile call
 
@@ -105,6 +107,7 @@ class PartitionWarmup:
             off += n
 
     def _run(self) -> None:
+        name_this_thread()
         while True:
             part, fd = self._q.get()
             try:

@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 import outcome
 import trio
 
+from ._fsio import name_this_thread
+
 T = TypeVar("T")
 
 
@@ -30,6 +32,7 @@ class Workers:
         self._lock = threading.Lock()
 
     def _work(self) -> None:
+        name_this_thread()
         while True:
             token, task, fn, args = self._q.get()
             res = outcome.capture(fn, *args)
