@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import _projection, _ringsim, _vmnoise
@@ -156,23 +157,31 @@ def prep_tree(work: Path, n: int) -> tuple[Path, Path, list[str]]:
     return src, dest, rels
 
 
-def read_files(root: str, rels: list[str], seed: int = 1) -> list[float]:
+def read_files(root: str, rels: list[str], seed: int = 1, readers: int = 1) -> list[float]:
     """Read each file whole with one reader, in a shuffled order (an epoch's; the same order
-    as bench.smallfile's single reader); seconds per file (open to close).
+    as bench.smallfile's single reader); seconds per file (open to close). With `readers`,
+    that many threads read every `readers`-th file of the order each (a DataLoader's workers).
 
     Not in `rels`' order: that walks the 20 directories in turn, 20 sequential streams
     through the image or partitions, which the disk's read-ahead mostly prefetches: "cold"
     would measure a prefetched scan, not an epoch's random reads."""
     order = list(rels)
     random.Random(seed).shuffle(order)
-    out = []
-    for r in order:
-        t0 = time.perf_counter()
-        with open(os.path.join(root, r), "rb", buffering=0) as f:
-            while f.read(1 << 20):
-                pass
-        out.append(time.perf_counter() - t0)
-    return out
+
+    def read(part: list[str]) -> list[float]:
+        out = []
+        for r in part:
+            t0 = time.perf_counter()
+            with open(os.path.join(root, r), "rb", buffering=0) as f:
+                while f.read(1 << 20):
+                    pass
+            out.append(time.perf_counter() - t0)
+        return out
+
+    if readers == 1:
+        return read(order)
+    with ThreadPoolExecutor(readers) as pool:
+        return [t for ts in pool.map(read, [order[i::readers] for i in range(readers)]) for t in ts]
 
 
 def summary(times: list[float], cpu: float | None = None) -> dict:
@@ -241,7 +250,7 @@ class Fan:
                 log(f"teardown: {p}")
 
 
-def measure_fan(fan: Fan, root: str, rels: list[str], cold: bool) -> dict:
+def measure_fan(fan: Fan, root: str, rels: list[str], cold: bool, readers: int = 1) -> dict:
     if cold:
         drop_caches()
     pids = fan.pids()
@@ -249,7 +258,7 @@ def measure_fan(fan: Fan, root: str, rels: list[str], cold: bool) -> dict:
     before = cpu_snapshot(pids)
     disk = {p: disk_read_bytes(p) for p in daemons}
     vm0 = _vmnoise.snapshot()
-    times = read_files(root, rels)
+    times = read_files(root, rels, readers=readers)
     used = cpu_since_by_pid(before)
     res = summary(times, sum(used.values()))
     res["vm"] = _vmnoise.since(vm0)
@@ -316,7 +325,7 @@ def squash(work: Path, src: Path, rels: list[str]) -> dict:
 
 
 def run_remote(work: Path, dest: Path, rels: list[str], envs: list[dict], rounds: int,
-               profile: bool = False) -> list[dict]:
+               profile: bool = False, readers: int = 1) -> list[dict]:
     """Remote-only reads through rank 0 of 2, one mount per daemon environment, all mounted at
     once and read in interleaved cold passes (a 1 MiB blob cache: every pass fetches again);
     the pass with the median CPU per file of each. First in the result, the anchor measured the
@@ -331,7 +340,7 @@ def run_remote(work: Path, dest: Path, rels: list[str], envs: list[dict], rounds
         runs: list[list[dict]] = [[] for _ in fans]
         for _ in range(rounds):
             for fan, r in zip(fans, runs, strict=True):
-                r.append(measure_fan(fan, fan.mps[0], rels, cold=True))
+                r.append(measure_fan(fan, fan.mps[0], rels, cold=True, readers=readers))
         out = []
         for fan, env, r in zip(fans, [{}, *envs], runs, strict=True):
             res = sorted(r, key=lambda d: d["cpu_us_per_file"])[len(r) // 2]
@@ -390,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cold-rounds", type=int, default=5,
                     help="rounds of the interleaved remote and local cold passes")
     ap.add_argument("--profile", action="store_true", help="py-spy the remote read (extra run)")
+    ap.add_argument("--readers", type=int, default=1,
+                    help="concurrent readers of the remote passes and their local anchor (1: the bar)")
     args = ap.parse_args(argv)
     work = Path(args.work)
     from . import _large  # (it uses this module's Fan)
@@ -445,8 +456,9 @@ def main(argv: list[str] | None = None) -> int:
         remote = remote_to_rank0(dest, rels)
         log(f"{len(remote)} of {len(rels)} files are held by rank 1 only")
         envs = [{}] + [dict(kv.split("=", 1) for kv in ab.split(",")) for ab in args.ab]
+        res["readers"] = args.readers
         res["local_cold_same"], res["remote_cold"], *res["remote_ab"] = run_remote(
-            work, dest, remote, envs, args.cold_rounds, args.profile)
+            work, dest, remote, envs, args.cold_rounds, args.profile, args.readers)
         log(f"2 ranks, remote only: {res['remote_cold']}")
         if not args.no_large:
             res["large"] = _large.run_large(work, src.parent, args.rounds)
@@ -464,13 +476,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(res: dict) -> None:
+    many = f", {res['readers']} readers" if res.get("readers", 1) > 1 else ""
     print(f"\nCOST per file read, one reader, {res['files']} files of 90-130 KB "
           f"(load average {res['loadavg_start'][0]:.1f} -> {res['loadavg_end'][0]:.1f})")
     print(f"  {'':38} {'files/s':>9} {'p50 us':>8} {'p99 us':>8} {'CPU us/file':>12}")
     rows = [("1 rank --read-only, cold (local)", res.get("local_cold")),
             ("1 rank writable (default), cold", res.get("writable_cold")),
-            ("1 rank, the remote set, cold (interleaved)", res.get("local_cold_same")),
-            ("2 ranks, remote files only, cold", res.get("remote_cold"))]
+            ("1 rank, the remote set, cold (interleaved)" + many, res.get("local_cold_same")),
+            ("2 ranks, remote files only, cold" + many, res.get("remote_cold"))]
     rows += [(f"  same with {' '.join(f'{k}={v}' for k, v in r['env'].items())}", r)
              for r in res.get("remote_ab", [])]
     rows += [("1 rank --read-only, warm", res.get("read_only_warm")),
