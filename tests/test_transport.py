@@ -111,3 +111,33 @@ def test_the_mpi_thread_sleeps_through_most_of_what_it_expects_and_shrinks_when_
     lower_timer_slack(2000)
     with open(f"/proc/{threading.get_native_id()}/timerslack_ns") as f:
         assert int(f.read()) == 2000
+
+
+def test_a_daemon_ends_even_when_its_mpi_thread_is_stuck_in_a_call():
+    """MPICH retries a send to a dead peer inside the call: the transport stops waiting for its
+    MPI thread after STOP_JOIN seconds, so the daemon still unmounts and cleans up."""
+    code = """
+import threading, time, trio
+from fanstore_fuse._messages import HandlerTable
+from fanstore_fuse._transport import MpiTransport
+
+class StuckComm:  # an MPI call that never returns
+    def Get_rank(self): return 0
+    def Get_size(self): return 2
+    def improbe(self, *args): threading.Event().wait()
+
+async def main():
+    with trio.move_on_after(0.5):
+        await MpiTransport(StuckComm(), HandlerTable()).run()
+
+t0 = time.monotonic()
+trio.run(main)
+print(time.monotonic() - t0)
+"""
+    from fanstore_fuse._transport import STOP_JOIN
+
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    took = float(p.stdout.strip().splitlines()[-1])
+    assert 0.5 + STOP_JOIN - 0.2 < took < 0.5 + STOP_JOIN + 3, took
+    assert "did not stop within" in p.stderr

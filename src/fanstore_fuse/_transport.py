@@ -65,6 +65,7 @@ IDLE_SLEEP = 0.005  # idle: ~200 wake-ups/s, a request from a peer waits 2.5 ms 
 DEEP_IDLE_S = 60.0  # a minute without traffic (a training step that reads nothing)...
 DEEP_IDLE_SLEEP = 0.02  # ...then 50 wake-ups/s; the first request after it waits <= 20 ms
 MAX_SERVING = 64  # concurrent requests served per daemon
+STOP_JOIN = 5.0  # seconds the MPI thread gets to stop when the daemon ends
 IO_THREADS = 4  # threads reading the disk for inline requests the page cache cannot answer
 # A blob up to this size that the page cache lacks is read by the MPI thread itself while no
 # disk thread is busy: one reader's request then costs no hand-off to a disk thread and back
@@ -343,7 +344,15 @@ class MpiTransport:
         finally:
             self._stop.set()
             self._wake.set()
-            await trio.to_thread.run_sync(thread.join)
+            # Shielded: run() ends by cancellation, and the thread must have stopped before the
+            # daemon goes on to MPI_Finalize. Bounded: MPICH retries a send to a dead peer
+            # inside the call, and a daemon must still unmount and clean up (the thread is a
+            # daemon thread, left behind).
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(thread.join, STOP_JOIN)
+            if thread.is_alive():
+                log.error("the MPI thread did not stop within %g s (an MPI call to a dead "
+                          "peer?); unmounting without it", STOP_JOIN)
 
     async def _serve_one(self, source: int, raw: Wire, limiter: trio.Semaphore) -> None:
         try:
