@@ -55,8 +55,7 @@ def jobs(slurm_cluster: Cluster) -> Iterator[Path]:
 
 def _leftovers(c: Cluster) -> list[str]:
     """What a test left on the cluster: jobs still queued, nodes not idle (drained by a failed
-    prolog or epilog), fanstore mounts, processes and /tmp entries on any node. A state dir
-    holding only launcher logs (which `umount` keeps) is removed, not reported."""
+    prolog or epilog), fanstore mounts, processes and /tmp entries on any node."""
     out = []
     r = subprocess.run(["squeue", "-h", "-o", "%i %T"], env=c.env(), capture_output=True,
                        text=True, timeout=30)
@@ -70,12 +69,17 @@ def _leftovers(c: Cluster) -> list[str]:
         out += [f"n{k}: pid {p} {cmd[:80]}" for p, cmd in c.procs(k, "fanstore")]
         for e in c.local_entries(k):
             p = c.node_tmp(k) / e
-            inside = sorted(q.name for q in p.iterdir()) if p.is_dir() else []
-            if e.startswith("fanstore-fuse-") and all(n.endswith(".log") for n in inside):
-                shutil.rmtree(p, ignore_errors=True)  # launcher logs stay after `umount`
-                continue
-            out.append(f"n{k}: /tmp/{e} {inside}")
+            out.append(f"n{k}: /tmp/{e} {sorted(q.name for q in p.iterdir()) if p.is_dir() else ''}")
     return out
+
+
+def _drop_launcher_logs(c: Cluster) -> None:
+    """State dirs that hold only launcher logs (which `umount` keeps): not a leftover of the
+    mount, but the next test's clean-node checks would take them for one."""
+    for k in range(c.nodes):
+        for p in c.node_tmp(k).glob("fanstore-fuse-*"):
+            if p.is_dir() and all(q.name.endswith(".log") for q in p.iterdir()):
+                shutil.rmtree(p, ignore_errors=True)
 
 
 def _clean(c: Cluster) -> None:
@@ -110,9 +114,11 @@ def _isolated(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     c = request.getfixturevalue("slurm_cluster")
     deadline = time.monotonic() + 60
+    _drop_launcher_logs(c)
     left = _leftovers(c)
     while left and time.monotonic() < deadline:
         time.sleep(1)
+        _drop_launcher_logs(c)
         left = _leftovers(c)
     if left:
         _clean(c)
