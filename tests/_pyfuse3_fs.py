@@ -173,10 +173,18 @@ def main(argv: list[str] | None = None) -> int:
     fs = RecordingFs(a.src, a.log, set(a.noflush), set(a.cache_readdir), a.no_open)
     options = set(pyfuse3.default_options) | {"fsname=pyfuse3_api_test"}
     pyfuse3.init(fs, a.mountpoint, options)
+    fd = pyfuse3.get_session_fd()
+    fs.record("session", device=os.readlink(f"/proc/self/fd/{fd}"))
     try:
         trio.run(pyfuse3.main)
     finally:
         pyfuse3.close(unmount=True)
+        try:
+            pyfuse3.get_session_fd()
+            fs.record("session_after_close", raised=False)
+        except RuntimeError:
+            fs.record("session_after_close", raised=True)
+        fs.log.flush()
     return 0
 
 

@@ -5,7 +5,9 @@
 Both ranks compose what a daemon composes (no FUSE), over DEST's partitions. Rank 1 first
 drops its page cache of the partitions (so the first requests go to the transport's disk
 threads). Rank 0 fetches every blob rank 1 holds (stored bytes and decoded bytes are compared
-with its own reads of DEST, byte for byte), then asks for a blob rank 1 does not hold, an id
+with its own reads of DEST, byte for byte), each request alone and so waited for with the event
+loop blocked, as in a daemon whose FUSE session (here a pipe) has nothing queued; then five with
+the pipe readable, which wait through trio; then asks for a blob rank 1 does not hold, an id
 past the end, sends a frame of an unknown version with the blob op and one over MAX_FRAME: each
 must come back as an error reply; a reply over MAX_FRAME fails the request it answers. Each
 rank writes OUT_DIR/rank{N}.json.
@@ -96,13 +98,26 @@ def main() -> None:
         theirs = [b for b in range(m.n_blobs) if pl.holds(1, b) and not pl.holds(0, b)]
         mine = [b for b in range(m.n_blobs) if not pl.holds(1, b)]
         bad = []
+        # a pipe stands in for the FUSE session: empty, a lone request blocks for its reply
+        session_r, session_w = os.pipe()
+        t.watch_session(session_r)
         for b in theirs:
             resp = await t.request(1, Frame(OP_FETCH_BLOB, 0, b), 10)
             if bytes(resp.body) != store.stored(b):
                 bad.append(b)
             if await p.node.source.fetch(b) != store.raw(b):
                 bad.append(b)
-        res.update(fetched=len(theirs), mismatched=bad, stats=p.node.stats.as_dict())
+        res.update(fetched=len(theirs), mismatched=bad, stats=p.node.stats.as_dict(),
+                   blocked_alone=t.waits_blocked, yielded_alone=t.waits_yielded)
+        # a request queued on the session ends the blocked wait: the reply comes through trio
+        os.write(session_w, b"x")
+        for b in theirs[:5]:
+            resp = await t.request(1, Frame(OP_FETCH_BLOB, 0, b), 10)
+            if bytes(resp.body) != store.stored(b):
+                bad.append(b)
+        res.update(blocked_queued=t.waits_blocked - res["blocked_alone"],
+                   yielded_queued=t.waits_yielded - res["yielded_alone"])
+        os.read(session_r, 1)
         res["not_held"] = await errno_of(t.request(1, Frame(OP_FETCH_BLOB, 0, mine[0]), 10)) if mine else -1
         res["past_end"] = await errno_of(t.request(1, Frame(OP_FETCH_BLOB, 0, m.n_blobs + 5), 10))
         rid = 1 << 40

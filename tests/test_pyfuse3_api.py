@@ -1,7 +1,7 @@
 """The public API that scripts/pyfuse3/pyfuse3-3.5.0-public-api.patch adds to pyfuse3, on a real
 mount of a tiny pyfuse3 file system (tests/_pyfuse3_fs.py) that records the requests it gets:
 FileInfo.noflush, FileInfo.cache_readdir (opendir returning a FileInfo),
-Operations.inode_fh_without_open and Operations.enable_atomic_o_trunc.
+Operations.inode_fh_without_open, Operations.enable_atomic_o_trunc and get_session_fd().
 
 `make install` installs the patched pyfuse3 (scripts/install-pyfuse3.sh); under a pyfuse3
 without it these tests skip (fanstore-fuse then answers OPEN itself)."""
@@ -203,3 +203,13 @@ def test_no_open_o_trunc_truncates_through_setattr(tiny_fs) -> None:
     assert (fs.mnt / "a.bin").read_bytes() == new
     assert os.stat(fs.mnt / "a.bin").st_size == len(new)
     assert (fs.mnt / "b.bin").read_bytes() == b_before == (fs.src / "b.bin").read_bytes()
+
+
+@pytest.mark.timeout(120)
+def test_session_fd_is_the_fuse_device_until_close(tiny_fs) -> None:
+    fs = tiny_fs()
+    assert (fs.mnt / "a.bin").read_bytes() == (fs.src / "a.bin").read_bytes()
+    assert [r["device"] for r in fs.records("session")] == ["/dev/fuse"]
+    _unmount(fs.mnt)
+    fs.proc.wait(timeout=30)
+    assert [r["raised"] for r in fs.records("session_after_close")] == [True]

@@ -338,7 +338,8 @@ class StatusBoard:
         d["requests_in_flight"] = t.requests_in_flight
         d["peak_requests_in_flight"] = t.peak_in_flight
         d["requests_served"] = t.served
-        for key in ("served_inline", "served_by_io", "polls"):  # MpiTransport only
+        # MpiTransport only
+        for key in ("served_inline", "served_by_io", "polls", "waits_blocked", "waits_yielded"):
             if hasattr(t, key):
                 d[f"mpi_{key}"] = getattr(t, key)
         return d

@@ -39,7 +39,7 @@ from ._readahead import hold_readahead, set_readahead
 from ._settings import Settings
 from ._stageout_all import StopRequest, serve_requests
 from ._startup import Exchange, MappedPages, PeerFailed, Phases, Staged, stage
-from ._transport import Transport, mpi_env_defaults, unlink_shared_segments
+from ._transport import MpiTransport, Transport, mpi_env_defaults, unlink_shared_segments
 from ._view import MountView
 from .writes import WriteStore
 
@@ -314,6 +314,8 @@ def serve(cfg: MountConfig) -> int:
         m.clock("compose")
         _mount(cfg, m, m.parts.view)
         m.clock("fuse init")
+        if isinstance(m.parts.transport, MpiTransport) and hasattr(pyfuse3, "get_session_fd"):
+            m.parts.transport.watch_session(pyfuse3.get_session_fd())  # the public-API patch's
     except PeerFailed:
         pass  # the rank that failed says why in the allgather below
     except FanstoreError as e:
