@@ -41,13 +41,13 @@ def test_blobs_through_mpi_ranks_and_error_replies(src_tree, tmp_path):
     assert client["mismatched"] == []
     assert client["stats"]["remote_reads"] == client["fetched"]
     # alone, a request's reply was waited for with the event loop blocked (each blob was
-    # fetched twice), but for SYNC_WAIT at most: one read from the cold disk may take longer and
-    # go on through trio, and the first may find the transport's own task starting (runnable);
-    # with a request queued on the session, none was
-    alone = client["blocked_alone"] + client["yielded_alone"]
-    assert 2 * client["fetched"] - 1 <= alone <= 2 * client["fetched"]
+    # fetched twice), but for SYNC_WAIT at most: a read from the cold disk may take longer and
+    # go on through trio (the next BLOCKING_OFF requests then wait through trio too), and the
+    # first may find the transport's own task starting (runnable); with a request queued on
+    # the session, none was
     assert client["blocked_alone"] > client["fetched"]
-    assert client["blocked_queued"] == 0 and client["yielded_queued"] == 5
+    assert client["blocked_alone"] + client["yielded_alone"] <= 2 * client["fetched"]
+    assert client["blocked_queued"] == 0 and client["yielded_queued"] >= 1
     assert client["not_held"] == errno.ENOENT
     assert client["past_end"] == errno.ENOENT
     assert client["bad_version"] == errno.EPROTO

@@ -13,7 +13,9 @@ a reply of this rank) ends any sleep at once; a frame from another rank waits fo
 Blob requests are answered on the MPI thread itself when the page cache holds the blob, or by
 one of its disk threads (`HandlerTable.register_inline`): no hop to trio and back. Every other
 frame received in one wake-up goes to trio in one `TrioToken.run_sync_soon` call; trio tasks
-serve those requests concurrently and wait for responses with a timeout.
+serve those requests concurrently and wait for responses with a timeout. A request that is the
+only one in flight while trio has nothing else to run waits with the trio thread blocked instead
+(`_wait_blocking`), until its reply is in or the kernel queues a FUSE request.
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ DEEP_IDLE_S = 60.0  # a minute without traffic (a training step that reads nothi
 DEEP_IDLE_SLEEP = 0.02  # ...then 50 wake-ups/s; the first request after it waits <= 20 ms
 MAX_SERVING = 64  # concurrent requests served per daemon
 SYNC_WAIT_MS = 3  # the longest a lone request blocks the event loop (`_wait_blocking`)
+# After a blocked wait that gave the event loop back (a FUSE request came, or the reply was
+# slow), this many requests wait through trio: with several readers most blocked waits would
+# end that way, each a wasted poll(2) and more latency for the other readers.
+BLOCKING_OFF = 16
 STOP_JOIN = 5.0  # seconds the MPI thread gets to stop when the daemon ends
 IO_THREADS = 4  # threads reading the disk for inline requests the page cache cannot answer
 # A blob up to this size that the page cache lacks is read by the MPI thread itself while no
@@ -328,6 +334,7 @@ class MpiTransport:
         self._poller = select.poll()
         self._poller.register(self._efd, select.POLLIN)
         self._session_fd: int | None = None
+        self._blocking_off = 0  # requests still to wait for through trio (BLOCKING_OFF)
         self._ids = itertools.count(1)
         self._token: trio.lowlevel.TrioToken | None = None
         self._truncates = True  # the library drops what a short receive leaves (see _oversized)
@@ -432,6 +439,9 @@ class MpiTransport:
         runnable (a FUSE request queued meanwhile ends the wait, `_wait_blocking`)."""
         if self._session_fd is None or self.requests_in_flight != 1:
             return False
+        if self._blocking_off:  # a recent blocked wait was ended by a FUSE request
+            self._blocking_off -= 1
+            return False
         st = trio.lowlevel.current_statistics()
         return st.tasks_runnable == 0 and st.run_sync_soon_queue_size == 0
 
@@ -446,6 +456,7 @@ class MpiTransport:
         self._pending[rid] = w  # before the slot is taken back: a later reply goes to `w`
         if self._sync.pop(rid, None) is not None:
             self.waits_yielded += 1
+            self._blocking_off = BLOCKING_OFF  # several readers: their requests overlap
             return None
         self.waits_blocked += 1
         # the MPI thread took the slot: the reply is in it, or is about to be
