@@ -71,7 +71,7 @@ MAX_SERVING = 64  # concurrent requests served per daemon
 SYNC_WAIT_MS = 3  # the longest a lone request blocks the event loop (`_wait_blocking`)
 # After a blocked wait that gave the event loop back (a FUSE request came, or the reply was
 # slow), this many requests wait through trio: with several readers most blocked waits would
-# end that way, each a wasted poll(2) and more latency for the other readers.
+# end that way, each a wasted poll(2).
 BLOCKING_OFF = 16
 STOP_JOIN = 5.0  # seconds the MPI thread gets to stop when the daemon ends
 IO_THREADS = 4  # threads reading the disk for inline requests the page cache cannot answer
@@ -439,7 +439,7 @@ class MpiTransport:
         runnable (a FUSE request queued meanwhile ends the wait, `_wait_blocking`)."""
         if self._session_fd is None or self.requests_in_flight != 1:
             return False
-        if self._blocking_off:  # a recent blocked wait was ended by a FUSE request
+        if self._blocking_off:  # a recent blocked wait ended without its reply
             self._blocking_off -= 1
             return False
         st = trio.lowlevel.current_statistics()
@@ -448,7 +448,8 @@ class MpiTransport:
     def _wait_blocking(self, dest: int, frame: Frame, rid: int, w: _Waiter) -> Wire | None:
         """Post the request and wait for its reply on this thread, without a turn of the event
         loop (each costs ~50 us of CPU: `run_sync_soon`'s wake-up, trio's scheduling). None
-        when a FUSE request came first, or SYNC_WAIT passed: `w` then gets the reply."""
+        when a FUSE request came first, or SYNC_WAIT_MS passed: `w` then gets the reply (or
+        the error of a send that failed) through trio."""
         slot: list[Wire | None] = [None]
         self._sync[rid] = slot
         self._post(dest, TAG_REQUEST, frame.encode(), rid)
