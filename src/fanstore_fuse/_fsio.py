@@ -95,4 +95,3 @@ def name_this_thread() -> None:
     (the interpreter leaves them all named after the process)."""
     with contextlib.suppress(OSError), open("/proc/thread-self/comm", "w") as f:
         f.write(threading.current_thread().name[:15])
-
