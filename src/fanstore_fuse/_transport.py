@@ -447,7 +447,8 @@ class MpiTransport:
 
     def _wait_blocking(self, dest: int, frame: Frame, rid: int, w: _Waiter) -> Wire | None:
         """Post the request and wait for its reply on this thread, without a turn of the event
-        loop (each costs ~50 us of CPU: `run_sync_soon`'s wake-up, trio's scheduling). None
+        loop (`run_sync_soon`'s wake-up of trio and its scheduling cost more CPU than a wake-up
+        from poll: docs/performance.md, open miss 2). None
         when a FUSE request came first, or SYNC_WAIT_MS passed: `w` then gets the reply (or
         the error of a send that failed) through trio."""
         slot: list[Wire | None] = [None]
