@@ -119,6 +119,7 @@ class MountView(ViewMeta):
         self._used: dict[int, float] = {}  # written inode: when its handle was last used
         self._pinned: set[int] = set()  # unlinked written inodes kept for their open files
         self._busy: dict[int, int] = {}  # written inode: requests using its handle now
+        self._closing: dict[int, trio.Event] = {}  # written inode: its handle's close under way
         self._rehash_took: dict[int, float] = {}  # written inode: its last commit's hashing, s
         self._handles_added = trio.Event()  # wakes run_closer
         self._remote_files: dict[int, OpenRemote] = {}  # remote inode: snapshot
@@ -486,12 +487,17 @@ class MountView(ViewMeta):
         self._used.pop(inode, None)
         h = self._implicit.pop(inode, None)
         if h is not None:
+            done = self._closing[inode] = trio.Event()
             try:
                 rehash = await self._close_handle(h)
                 if rehash is not None:
                     self._rehash_took[inode] = rehash
             except FanstoreError as e:
                 log.error("closing written inode %d: %s", inode, e)
+            finally:
+                if self._closing.get(inode) is done:
+                    del self._closing[inode]
+                done.set()
 
     def idle_window(self, inode: int) -> float:
         """How long written inode `inode` stays unused before `run_closer` commits it:
@@ -505,7 +511,8 @@ class MountView(ViewMeta):
     async def close_idle(self, idle: float | None = None) -> None:
         """no_open: close (commit, publish) the store handles of written files unused for
         `idle` seconds (None: each file's `idle_window`; 0: all), except those in use or
-        keeping an unlinked file for its open files."""
+        keeping an unlinked file for its open files; returns once every close under way
+        (this call's or another task's) has ended."""
         now = time.monotonic()
         due = [i for i, t in self._used.items()
                if now - t >= (self.idle_window(i) if idle is None else idle)
@@ -516,6 +523,10 @@ class MountView(ViewMeta):
             async with trio.open_nursery() as n:
                 for inode in due:
                     n.start_soon(self._close_implicit, inode)
+        # and those another task began (`run_closer`'s): committed when this returns, so that a
+        # stage-out after it copies them and finds its local dir unchanged since
+        for done in list(self._closing.values()):
+            await done.wait()
 
     async def run_closer(self) -> None:
         """no_open: a written file is committed (and published) its `idle_window` (IDLE_CLOSE
