@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import stat
+import time
 from pathlib import Path
 
 import pyfuse3
@@ -249,6 +250,17 @@ async def test_a_users_mount_shows_its_root_as_the_users(dest, tmp_path):
     blobs.close()
 
 
+def _slow_down(monkeypatch, store, name: str, seconds: float = 0.3) -> None:
+    """Make the store's method `name` take `seconds` longer (it runs in a worker thread)."""
+    real = getattr(store, name)
+
+    def slow(*args):
+        time.sleep(seconds)
+        return real(*args)
+
+    monkeypatch.setattr(store, name, slow)
+
+
 async def test_without_open_a_written_file_is_one_handle_closed_when_idle(parts, monkeypatch):
     """no_open (the daemon's default): CREATE answers handle 0 and later requests carry the
     inode; the file's one store handle is closed (committed) once idle, never while a request
@@ -259,15 +271,7 @@ async def test_without_open_a_written_file_is_one_handle_closed_when_idle(parts,
     info, attr = await ops.create(d, b"idle.bin", 0o100644, os.O_WRONLY | os.O_CREAT, CTX)
     ino = attr.st_ino
     assert info.fh == 0 and store.status()["open_handles"] == 1
-    real = store.write_dirtying
-
-    def slow(*args):
-        import time
-
-        time.sleep(0.3)
-        return real(*args)
-
-    monkeypatch.setattr(store, "write_dirtying", slow)
+    _slow_down(monkeypatch, store, "write_dirtying")
     async with trio.open_nursery() as n:
         n.start_soon(ops.write, ino, 0, b"y" * 100_000)  # in a worker thread for 0.3 s
         await trio.sleep(0.1)
@@ -292,15 +296,7 @@ async def test_without_open_close_idle_waits_for_a_commit_another_task_began(par
     d = await resolve(ops, b"a/b")
     _, attr = await ops.create(d, b"late.bin", 0o100644, os.O_WRONLY | os.O_CREAT, CTX)
     await ops.write(attr.st_ino, 0, b"z" * 100_000)
-    real = store.close
-
-    def slow(*args):
-        import time
-
-        time.sleep(0.3)
-        return real(*args)
-
-    monkeypatch.setattr(store, "close", slow)
+    _slow_down(monkeypatch, store, "close")
     async with trio.open_nursery() as n:
         n.start_soon(view.close_idle, 0)  # the idle closer: commits in a worker thread, 0.3 s
         await trio.sleep(0.1)

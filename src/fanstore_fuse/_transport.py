@@ -402,18 +402,13 @@ class MpiTransport:
         w = _Waiter()
         self.requests_in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.requests_in_flight)
-        if self._can_block():
-            data = self._wait_blocking(dest, frame, rid, w)
-            if data is not None:
-                self.requests_in_flight -= 1
-                self._pending.pop(rid, None)
-                return read_reply(dest, frame.op, data)
-            posted = True
-        else:
-            self._pending[rid] = w
-            posted = False
         try:
-            if not posted:
+            if self._can_block():
+                data = self._wait_blocking(dest, frame, rid, w)
+                if data is not None:
+                    return read_reply(dest, frame.op, data)
+            else:
+                self._pending[rid] = w
                 self._post(dest, TAG_REQUEST, frame.encode(), rid)
             with trio.move_on_after(timeout):
                 await w.event.wait()
@@ -451,9 +446,10 @@ class MpiTransport:
         from poll: docs/performance.md, open miss 2). None
         when a FUSE request came first, or SYNC_WAIT_MS passed: `w` then gets the reply (or
         the error of a send that failed) through trio."""
+        raw = frame.encode()  # may raise: nothing registered yet
         slot: list[Wire | None] = [None]
         self._sync[rid] = slot
-        self._post(dest, TAG_REQUEST, frame.encode(), rid)
+        self._post(dest, TAG_REQUEST, raw, rid)
         self._poller.poll(SYNC_WAIT_MS)
         self._pending[rid] = w  # before the slot is taken back: a later reply goes to `w`
         if self._sync.pop(rid, None) is not None:
