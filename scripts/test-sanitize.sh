@@ -47,9 +47,12 @@ trap 'rm -rf "$WORK"' EXIT
   >"$WORK/pip.log" 2>&1 || { tail -n 5 "$WORK/pip.log"; die "pip install of pytest into $VENV failed"; }
 CFLAGS="-Werror -fsanitize=address,undefined -fno-omit-frame-pointer" PYFUSE3_PATCH_FORCE=1 \
   PYFUSE3_SRC_OUT="$WORK/pyfuse3-src" bash scripts/install-pyfuse3.sh "$VENV/bin/python"
-ext="$(find "$VENV" -path '*/site-packages/pyfuse3/*.so' | head -n 1)"
+ext="$(find "$VENV" -path '*/site-packages/pyfuse3/*.so' -print -quit)"
 [ -n "$ext" ] || die "no compiled pyfuse3 extension in $VENV"
-ldd "$ext" | grep -q libasan && ldd "$ext" | grep -q libubsan || die "$ext is not linked with libasan and libubsan"
+# ldd's output goes to a file first: `ldd | grep -q` under pipefail fails whenever grep exits
+# at its match before ldd has written the rest (SIGPIPE).
+ldd "$ext" >"$WORK/ldd.txt" || die "ldd $ext failed"
+grep -q libasan "$WORK/ldd.txt" && grep -q libubsan "$WORK/ldd.txt" || die "$ext is not linked with libasan and libubsan"
 
 LOGS="$WORK/reports"
 mkdir -p "$LOGS"
