@@ -326,7 +326,11 @@ class MpiTransport:
         self.waits_yielded = 0  # ...and those waits that gave the event loop back
         # append/popleft are thread-safe
         self._outq: deque[tuple[int, int, Wire, int]] = deque()
-        self._wake = threading.Event()
+        # Released by a post, taken by the MPI thread's wait: a binary semaphore (a Lock may be
+        # released by any thread), one futex call each way where an Event is several Python
+        # lock operations under its Condition.
+        self._wake = threading.Lock()
+        self._wake.acquire()
         self._stop = threading.Event()
         self._pending: dict[int, _Waiter] = {}
         self._sync: dict[int, list[Wire | None]] = {}  # request id -> slot of a blocked wait
@@ -359,7 +363,7 @@ class MpiTransport:
                     nursery.start_soon(self._serve_one, source, raw, limiter)
         finally:
             self._stop.set()
-            self._wake.set()
+            self._notify()
             # Shielded: run() ends by cancellation, and the thread must have stopped before the
             # daemon goes on to MPI_Finalize. Bounded: MPICH retries a send to a dead peer
             # inside the call, and a daemon must still unmount and clean up (the thread is a
@@ -392,7 +396,8 @@ class MpiTransport:
 
     def _notify(self) -> None:
         """Wake the MPI thread (it checks the queue again before every wait)."""
-        self._wake.set()
+        with contextlib.suppress(RuntimeError):  # not taken: a wake-up is pending already
+            self._wake.release()
 
     async def request(self, dest: int, frame: Frame, timeout: float) -> Frame:
         """Send `frame` to rank `dest` and wait for its answer (PeerError on timeout)."""
@@ -521,14 +526,14 @@ class MpiTransport:
 
     def _next_wait(self, delay: float, sending: bool, reply: ReplyClock,
                    request: RequestClock) -> float:
-        """How long the MPI thread sleeps when its last poll found nothing (`delay`: the
-        previous sleep, 0 after traffic or a post from trio). An awaited reply and, for
+        """How long the MPI thread sleeps once its poll found nothing more to receive or post
+        (`delay`: the previous sleep, 0 after traffic or a post from trio). An awaited reply and, for
         IDLE_AFTER after the last, a peer's next request are slept for until they are due
         (`ReplyClock`, `RequestClock`), then polled for from POLL_FIRST up to POLL_MAX, as is a
         send that must progress (rendezvous); otherwise the thread idles. A post from trio ends
         any sleep at once."""
         now = time.monotonic()
-        reply.first_poll = request.first_poll = False  # this poll found nothing
+        reply.first_poll = request.first_poll = False  # spent: this poll saw what it slept for, or not
         awaiting = reply.awaiting(self)
         serving = now - request.last < IDLE_AFTER
         if awaiting or serving or sending:
@@ -561,12 +566,13 @@ class MpiTransport:
         name_this_thread()
         delay = 0.0
         replies, requests = ReplyClock(), RequestClock()
-        while not self._stop.is_set():
-            self.polls += 1
-            busy = False
+
+        def send_queued() -> bool:
+            """Post every queued frame (trio's, and replies made on this thread)."""
+            posted = False
             while outq:
                 dest, tag, data, rid = outq.popleft()
-                busy = True
+                posted = True
                 try:
                     req = comm.Isend([data, byte], dest=dest, tag=tag)
                     self.bytes_sent += len(data)
@@ -579,13 +585,20 @@ class MpiTransport:
                     log.error("send to rank %d failed: %s", dest, e)
                     if rid:
                         token.run_sync_soon(self._send_failed, rid, f"send failed: {e}")
+            return posted
+
+        while not self._stop.is_set():
+            self.polls += 1
+            busy = send_queued()
             batch: list[tuple[int, int, Wire]] = []
             disk = INLINE_DISK_BYTES if all(f.done() for f in reading) else 0
+            drained = False  # a probe found nothing more: no need to poll again at once
             for _ in range(64):
                 msg = comm.improbe(any_source, any_tag, status)
                 if msg is None:  # a second progress may complete what the first began
                     msg = comm.improbe(any_source, any_tag, status)
                 if msg is None:
+                    drained = True
                     break
                 busy = True
                 n = status.Get_count(byte)
@@ -625,6 +638,7 @@ class MpiTransport:
                     token.run_sync_soon(self._deliver, batch)
                 except trio.RunFinishedError:
                     break
+            send_queued()  # the replies made above go out in this turn
             if sends:
                 done = MPI.Request.Testsome(sends)
                 if done:
@@ -632,12 +646,13 @@ class MpiTransport:
                     for i in sorted(done, reverse=True):
                         del sends[i]
                         del bufs[i]
-            if busy or outq:
+            if outq or not drained:  # more to post or to receive: poll again at once
                 delay = 0.0
                 continue
-            delay = self._next_wait(delay, bool(sends), replies, requests)
-            if self._wake.wait(delay):  # a post from trio, not the time something was due
-                self._wake.clear()
+            # Traffic in this turn: the next wait is counted from it (the clocks), else the
+            # poll found nothing and the wait grows.
+            delay = self._next_wait(0.0 if busy else delay, bool(sends), replies, requests)
+            if self._wake.acquire(True, delay):  # a post, not the time something was due
                 delay = 0.0
                 replies.first_poll = requests.first_poll = False
         pool.shutdown(wait=False, cancel_futures=True)
