@@ -6,8 +6,11 @@ Both ranks compose what a mount daemon composes (`compose` over `MpiTransport`, 
 settings a daemon gives MPICH before `MPI_Init`, `mpi_env_defaults`; the same `Placement(2, 1)`,
 `BlobStore` over DEST's partitions, no FUSE). Rank 0 then fetches through the rank's blob
 source (request, the serving rank's handler, reply, verify, decode):
-- ``small``: the blobs of at most 4 MiB that only rank 1 holds, one at a time: latency p50/p99
-  and the CPU time (user+sys) of both processes per fetch;
+- ``small``: the blobs under 1 MiB that only rank 1 holds, one at a time, each waited for with
+  the event loop blocked as in a daemon whose FUSE queue is empty (a pipe stands in for the
+  session's fd), ``--gap-us`` of ``time.sleep`` after each (a reader's FUSE work between two
+  fetches; 0: back to back): latency p50/p99 and the CPU time (user+sys) of both processes per
+  fetch, by thread, and the MPI threads' loop turns per fetch;
 - ``large``: the 4 MiB blobs that only rank 1 holds, ``--window`` in flight (as the daemon's
   read-ahead keeps them), through the rank's blob source (Python's consumer: a trio task per
   blob, the bytes decoded into a ``bytes`` object): MB/s of stored bytes.
@@ -111,6 +114,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("dest")
     ap.add_argument("--small", type=int, default=400, help="small blobs fetched one at a time")
+    ap.add_argument("--gap-us", type=float, default=0.0,
+                    help="microseconds slept after each small fetch (a reader's work between files)")
     ap.add_argument("--window", type=int, default=4, help="large blobs in flight")
     ap.add_argument("--large-max", type=int, default=64, help="most large blobs fetched")
     ap.add_argument("--large-rounds", type=int, default=1, help="times the large blobs are fetched")
@@ -145,8 +150,10 @@ def main() -> None:
     async def client() -> None:
         # warm-up: the server's page cache holds the blobs (the path is measured, not the
         # disk; raw MPI moves memory too)
-        for b in small[:20] + large:
+        for b in small + large:
             await source.fetch(b)
+        session_r, session_w = os.pipe()  # never written: nothing queued, lone requests block
+        transport.watch_session(session_r)
         await mark("small_start")
         client_threads.append({**thread_cpu(), "polls": transport.polls})
         times = []
@@ -155,11 +162,14 @@ def main() -> None:
             t0 = time.perf_counter()
             await source.fetch(b)
             times.append(time.perf_counter() - t0)
+            if a.gap_us:
+                time.sleep(a.gap_us * 1e-6)
         client_threads.append({**thread_cpu(), "polls": transport.polls})
         await mark("small_end")
         if small:
             s = sorted(times)
-            out["small"] = {"blobs": len(s), "bytes": int(np.median(stored[small])),
+            out["small"] = {"blobs": len(s), "bytes": int(np.median(stored[small])), "gap_us": a.gap_us,
+                            "waits_blocked": transport.waits_blocked,
                             "p50_us": s[len(s) // 2] * 1e6, "p99_us": s[int(len(s) * .99)] * 1e6,
                             "client_cpu_us": (cpu() - c0) / len(s) * 1e6,
                             "per_s": len(s) / (time.perf_counter() - t_all)}
