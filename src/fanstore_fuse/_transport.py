@@ -527,13 +527,13 @@ class MpiTransport:
     def _next_wait(self, delay: float, sending: bool, reply: ReplyClock,
                    request: RequestClock) -> float:
         """How long the MPI thread sleeps once its poll found nothing more to receive or post
-        (`delay`: the previous sleep, 0 after traffic or a post from trio). An awaited reply and, for
-        IDLE_AFTER after the last, a peer's next request are slept for until they are due
+        (`delay`: the previous sleep, 0 after traffic or a post from trio). An awaited reply
+        and, for IDLE_AFTER after the last, a peer's next request are slept for until they are due
         (`ReplyClock`, `RequestClock`), then polled for from POLL_FIRST up to POLL_MAX, as is a
         send that must progress (rendezvous); otherwise the thread idles. A post from trio ends
         any sleep at once."""
         now = time.monotonic()
-        reply.first_poll = request.first_poll = False  # spent: this poll saw what it slept for, or not
+        reply.first_poll = request.first_poll = False  # used up by this poll, whatever it found
         awaiting = reply.awaiting(self)
         serving = now - request.last < IDLE_AFTER
         if awaiting or serving or sending:
@@ -638,7 +638,7 @@ class MpiTransport:
                     token.run_sync_soon(self._deliver, batch)
                 except trio.RunFinishedError:
                     break
-            send_queued()  # the replies made above go out in this turn
+            busy = send_queued() or busy  # the replies made above go out in this turn
             if sends:
                 done = MPI.Request.Testsome(sends)
                 if done:
