@@ -7,7 +7,8 @@ drops its page cache of the partitions (so the first requests go to the transpor
 threads). Rank 0 fetches every blob rank 1 holds (stored bytes and decoded bytes are compared
 with its own reads of DEST, byte for byte), each request alone and so waited for with the event
 loop blocked, as in a daemon whose FUSE session (here a pipe) has nothing queued; then five with
-the pipe readable, which wait through trio; then asks for a blob rank 1 does not hold, an id
+the pipe readable, which wait through trio; then a ping that rank 1 answers only after rank 0
+answered its own ping (a peer's request ends a blocked wait); then asks for a blob rank 1 does not hold, an id
 past the end, sends a frame of an unknown version with the blob op and one over MAX_FRAME: each
 must come back as an error reply; a reply over MAX_FRAME fails the request it answers. Each
 rank writes OUT_DIR/rank{N}.json.
@@ -35,6 +36,7 @@ from fanstore_fuse._messages import (  # noqa: E402
     MAGIC,
     MAX_FRAME,
     OP_FETCH_BLOB,
+    OP_PING,
     TAG_REQUEST,
     TAG_RESPONSE,
     Frame,
@@ -68,6 +70,11 @@ def main() -> None:
     assert isinstance(t, MpiTransport)
     res: dict = {"rank": rank}
     if rank == 1:
+        async def ping_back(source: int, req: Frame) -> Frame:
+            await t.request(0, Frame(OP_PING, 0), 10)
+            return Frame(req.op, req.req_id, 1)
+
+        t.handlers.register(OP_PING, ping_back)
         for part in parts:
             fd = os.open(os.path.join(dest, part.name), os.O_RDONLY)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -119,6 +126,12 @@ def main() -> None:
         res.update(blocked_queued=t.waits_blocked - res["blocked_alone"],
                    yielded_queued=t.waits_yielded - res["yielded_alone"])
         os.read(session_r, 1)
+        # A peer's request for trio ends a blocked wait at once, without turning blocked
+        # waits off: rank 1 answers this ping only after rank 0 answered its own.
+        t._blocking_off = 0
+        yielded = t.waits_yielded
+        await t.request(1, Frame(OP_PING, 0), 10)
+        res.update(ping_back_yielded=t.waits_yielded - yielded, ping_back_off=t._blocking_off)
         res["not_held"] = await errno_of(t.request(1, Frame(OP_FETCH_BLOB, 0, mine[0]), 10)) if mine else -1
         res["past_end"] = await errno_of(t.request(1, Frame(OP_FETCH_BLOB, 0, m.n_blobs + 5), 10))
         rid = 1 << 40

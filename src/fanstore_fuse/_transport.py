@@ -448,25 +448,30 @@ class MpiTransport:
     def _wait_blocking(self, dest: int, frame: Frame, rid: int, w: _Waiter) -> Wire | None:
         """Post the request and wait for its reply on this thread, without a turn of the event
         loop (`run_sync_soon`'s wake-up of trio and its scheduling cost more CPU than a wake-up
-        from poll: docs/performance.md, open miss 2). None
-        when a FUSE request came first, or SYNC_WAIT_MS passed: `w` then gets the reply (or
-        the error of a send that failed) through trio."""
+        from poll: docs/performance.md, open miss 2). None when a FUSE request came first, a
+        peer's request for trio came (it may be what the reply waits for), or SYNC_WAIT_MS
+        passed: `w` then gets the reply (or the error of a send that failed) through trio."""
         raw = frame.encode()  # may raise: nothing registered yet
+        with contextlib.suppress(BlockingIOError):  # a wake-up meant for an earlier wait
+            os.eventfd_read(self._efd)
         slot: list[Wire | None] = [None]
         self._sync[rid] = slot
         self._post(dest, TAG_REQUEST, raw, rid)
-        self._poller.poll(SYNC_WAIT_MS)
+        ready = self._poller.poll(SYNC_WAIT_MS)
         self._pending[rid] = w  # before the slot is taken back: a later reply goes to `w`
         if self._sync.pop(rid, None) is not None:
             self.waits_yielded += 1
-            self._blocking_off = BLOCKING_OFF  # several readers: their requests overlap
+            if not ready or any(fd == self._session_fd for fd, _ in ready):
+                # a FUSE request came (several readers: their requests overlap), or the
+                # reply is slow; not when a peer's request for trio ended the wait
+                self._blocking_off = BLOCKING_OFF
             return None
         self.waits_blocked += 1
-        # the MPI thread took the slot: the reply is in it, or is about to be
-        while True:
+        # The MPI thread took the slot: the reply is in it, or is about to be (it fills the
+        # slot, then writes the eventfd; a count left over is drained by the next wait).
+        while slot[0] is None:
             try:
                 os.eventfd_read(self._efd)
-                break
             except BlockingIOError:
                 select.select([self._efd], [], [])
         return slot[0]
@@ -638,6 +643,8 @@ class MpiTransport:
                     token.run_sync_soon(self._deliver, batch)
                 except trio.RunFinishedError:
                     break
+                if self._sync:  # trio waits blocked: these may be what its reply waits for
+                    os.eventfd_write(self._efd, 1)
             busy = send_queued() or busy  # the replies made above go out in this turn
             if sends:
                 done = MPI.Request.Testsome(sends)
