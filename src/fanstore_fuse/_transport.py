@@ -15,7 +15,8 @@ one of its disk threads (`HandlerTable.register_inline`): no hop to trio and bac
 frame received in one wake-up goes to trio in one `TrioToken.run_sync_soon` call; trio tasks
 serve those requests concurrently and wait for responses with a timeout. A request that is the
 only one in flight while trio has nothing else to run waits with the trio thread blocked instead
-(`_wait_blocking`), until its reply is in or the kernel queues a FUSE request.
+(`_wait_blocking`), until its reply is in, the kernel queues a FUSE request or a peer's request
+for trio comes.
 """
 
 from __future__ import annotations
