@@ -22,10 +22,11 @@ from fanstore_fuse import PrepOptions, prep
 from fanstore_fuse._blobstore import BlobStore
 from fanstore_fuse._compose import LocalOnlyPlacement, compose
 from fanstore_fuse._errors import ChecksumError
-from fanstore_fuse._format import MANIFEST_NAME
+from fanstore_fuse._format import KIND_FILE, MANIFEST_NAME
 from fanstore_fuse._fuse_ops import Operations
 from fanstore_fuse._manifest import read_manifest
 from fanstore_fuse._settings import Settings
+from fanstore_fuse._shared_writes import Published
 from fanstore_fuse._transport import NoPeers
 from fanstore_fuse._view import WRITE_FH
 from fanstore_fuse.writes import WRITE_INODE_BASE, WriteStore
@@ -362,3 +363,27 @@ def test_files_open_without_open_only_with_the_pyfuse3_patch():
     assert hasattr(pyfuse3.Operations, "inode_fh_without_open") == _fuse_ops.PATCHED
     assert _fuse_ops.Operations.inode_fh_without_open is True
     assert _fuse_ops.Operations.enable_atomic_o_trunc is False
+
+
+def test_a_remote_files_snapshot_never_goes_back_to_an_older_description(parts):
+    """Without OPEN, reads of a file written on another rank use the snapshot its last lookup
+    or getattr took. Two such answers may come back in the other order; the kernel keeps the
+    newer size, so the snapshot must too (a read past an older snapshot's end would be answered
+    short, which the kernel takes for the end of the file)."""
+    _, view, _ = parts
+    view.no_open = True
+
+    def described(size: int, seq: int, writer: int = 1) -> Published:
+        return Published(b"/logs/train.log", KIND_FILE, writer, 0o644, 0, 0, 1, size,
+                         xxh3=size, chunks=[size], committed=True, seq=seq)
+
+    newer, older = described(200, 5), described(100, 4)
+    inode = view._remote_record(newer).inode
+    view._remote_record(older)
+    assert view._remote_files[inode].e is newer
+    newest = described(300, 6)
+    view._remote_record(newest)
+    assert view._remote_files[inode].e is newest
+    replaced = described(50, 1, writer=2)  # written again by another rank: its own order
+    view._remote_record(replaced)
+    assert view._remote_files[inode].e is replaced

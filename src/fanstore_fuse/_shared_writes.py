@@ -104,7 +104,7 @@ def _parent(path: bytes) -> bytes:
     return path.rpartition(b"/")[0]
 
 
-def _stale(old: Published | None, new: Published) -> bool:
+def is_stale(old: Published | None, new: Published) -> bool:
     """Whether `new` is an older description by the same writer than `old` (publishes of one
     path travel concurrently and may arrive out of order)."""
     return old is not None and old.writer == new.writer and old.seq > new.seq
@@ -355,12 +355,12 @@ class SharedWrites:
             old = self.entries.get(e.path)
             if exclusive and old is not None and old.writer != e.writer:
                 raise Exists(f"{e.path!r} exists (written on rank {old.writer})")
-            if not _stale(old, e):
+            if not is_stale(old, e):
                 self.entries[e.path] = e
         parent = _parent(e.path)
         if self.placement.locate_metadata(parent) == self.rank:
             listing = self.listings.setdefault(parent, {})
-            if not _stale(listing.get(e.path), e):
+            if not is_stale(listing.get(e.path), e):
                 listing[e.path] = e
         return Frame(req.op, req.req_id)
 

@@ -57,7 +57,7 @@ from ._errors import (
 from ._format import KIND_DIR, KIND_FILE
 from ._namespace import Record
 from ._node import Node
-from ._shared_writes import REMOTE_INODE_BASE, OpenRemote, Published, SharedWrites
+from ._shared_writes import REMOTE_INODE_BASE, OpenRemote, Published, SharedWrites, is_stale
 from ._view_meta import ViewMeta
 from .writes import WRITE_INODE_BASE, WriteStore
 
@@ -182,7 +182,11 @@ class MountView(ViewMeta):
         r = self.shared.record(e)
         if self.no_open and not r.is_dir:
             f = self._remote_files.get(r.inode)
-            if f is None or (f.e.size, f.e.xxh3, f.e.chunks) != (e.size, e.xxh3, e.chunks):
+            # Never back to an older description by the same writer (two lookups' answers may
+            # come back in the other order; the kernel keeps the newer size, and a read past an
+            # older snapshot's end would be answered short: EOF to the kernel).
+            if f is None or ((f.e.size, f.e.xxh3, f.e.chunks) != (e.size, e.xxh3, e.chunks)
+                             and not is_stale(f.e, e)):
                 self._remote_files[r.inode] = OpenRemote(e)
         return r
 
