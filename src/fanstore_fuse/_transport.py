@@ -453,7 +453,9 @@ class MpiTransport:
         peer's request for trio came (it may be what the reply waits for), or SYNC_WAIT_MS
         passed: `w` then gets the reply (or the error of a send that failed) through trio."""
         raw = frame.encode()  # may raise: nothing registered yet
-        with contextlib.suppress(BlockingIOError):  # a wake-up meant for an earlier wait
+        # The count of an earlier wait's reply (taken from its slot before the eventfd was
+        # read) or of a batch handed to trio: this wait must see only its own.
+        with contextlib.suppress(BlockingIOError):
             os.eventfd_read(self._efd)
         slot: list[Wire | None] = [None]
         self._sync[rid] = slot
