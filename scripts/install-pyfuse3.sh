@@ -3,7 +3,8 @@
 #   install-pyfuse3.sh VENV_PYTHON
 # Downloads the pyfuse3 3.5.0 source distribution from the package index (pip download),
 # checks its sha256, applies the patch (public API only: FileInfo.noflush and .cache_readdir,
-# opendir returning a FileInfo, Operations.inode_fh_without_open and .enable_atomic_o_trunc;
+# opendir returning a FileInfo, Operations.inode_fh_without_open, .enable_atomic_o_trunc and
+# .enable_readdirplus_auto, ReaddirToken.plus, get_session_fd;
 # see scripts/pyfuse3/README.md) and pip-installs it; Cython runs at build time.
 # Skips when VENV_PYTHON's pyfuse3 already has Operations.inode_fh_without_open, unless it is
 # a build of another revision of the patch (PYFUSE3_PATCH_FORCE=1 rebuilds anyway). Needs a C

@@ -45,14 +45,21 @@ async def resolve(ops: Operations, rel: bytes) -> int:
 
 
 async def listdir(ops: Operations, ino: int, replies) -> list[bytes]:
-    """Names readdir sends for a directory (`replies`: the conftest fixture)."""
+    """Names readdir sends for a directory (`replies`: the conftest fixture), asked for as the
+    kernel does: from where the last request stopped, until one sends nothing."""
     sent, _ = replies
-    sent.clear()
     fh = await ops.opendir(ino, CTX)
     if isinstance(fh, pyfuse3.FileInfo):  # the patched pyfuse3: a listing the kernel may cache
         fh = fh.fh
-    await ops.readdir(fh, 0, None)
-    return [n for n, _, _ in sent]
+    names: list[bytes] = []
+    pos = 0
+    while True:
+        sent.clear()
+        await ops.readdir(fh, pos, None)
+        if not sent:
+            return names
+        names += [n for n, _, _ in sent]
+        pos = sent[-1][2]
 
 
 async def read_all(ops: Operations, ino: int) -> bytes:

@@ -4,12 +4,14 @@ Each handler unpacks a request, calls the view and packs the answer (`EntryAttri
 `FileInfo`, `StatvfsData`). Domain errors become `FUSEError(errno)` in `_translate` and
 nowhere else; no other exception leaves a handler.
 
-Three libfuse features pyfuse3 3.5 does not expose are added by the pyfuse3 patch that
+The libfuse features pyfuse3 3.5 does not expose are added by the pyfuse3 patch that
 `scripts/install-pyfuse3.sh` applies at install (docs/architecture.md, "pyfuse3"):
-`FileInfo(noflush=..., cache_readdir=...)`, an opendir that returns a `FileInfo`, and
+`FileInfo(noflush=..., cache_readdir=...)`, an opendir that returns a `FileInfo`,
 `Operations.inode_fh_without_open` (requests about files opened without OPEN carry the inode
-as handle). `PATCHED` says whether the installed pyfuse3 has them; without them the mount
-answers OPEN normally (every open and close costs the daemon a request).
+as handle) and `Operations.enable_readdirplus_auto` with `ReaddirToken.plus` (listings without
+attributes, `ListingMode`). `PATCHED` says whether the installed pyfuse3 has them; without them
+the mount answers OPEN normally (every open and close costs the daemon a request) and every
+listing comes with attributes.
 """
 
 from __future__ import annotations
@@ -59,6 +61,55 @@ def _translate(fn: F) -> F:
     return cast(F, wrapper)
 
 
+class ListingMode:
+    """Whether directory listings come with attributes. With READDIRPLUS_AUTO the kernel asks
+    READDIRPLUS for the first part of a listing and plain READDIR for the rest unless a lookup
+    happened in the directory meanwhile. An entry listed with attributes costs the kernel an
+    inode and the daemon an `EntryAttributes`, which a name-only traversal (`find`, a training
+    script's class scan) does not need; an entry listed without costs a LOOKUP when it is
+    stat'ed (`ls -l`, `du`, a walk that stats).
+
+    So a listing starts with one entry with attributes (`NAMES`), the kernel lists the rest
+    plainly, until files are looked up after a listing: then listings come with attributes
+    (`PLUS`), except every PROBE_EVERY-th (`PROBE`), which holds its last file back so that the
+    kernel lists it plainly, and its stat shows whether files are still stat'ed after listings.
+    Switching from `NAMES` costs one directory's files a LOOKUP each."""
+
+    NAMES, PLUS, PROBE = "names", "plus", "probe"
+    PROBE_EVERY = 8
+
+    def __init__(self) -> None:
+        self.file_lookups = 0  # LOOKUPs answered with a non-directory
+        self.stat = False  # files are stat'ed after listings
+        # file_lookups when the last NAMES or PROBE listing began (None: before the first
+        # listing, when lookups say nothing about listings)
+        self._mark: int | None = None
+        self._since_probe = 0
+        self._probing = False
+
+    def start(self) -> str:
+        """How the READDIRPLUS request that starts a listing is answered."""
+        looked_up = self._mark is not None and self.file_lookups != self._mark
+        if self.stat and self._probing and not looked_up:
+            self.stat = False  # the probe's file was not stat'ed: name-only again
+        self._probing = False
+        if not self.stat and looked_up:
+            self.stat, self._since_probe = True, 0
+        if not self.stat:
+            self._mark = self.file_lookups
+            return self.NAMES
+        self._since_probe += 1
+        if self._since_probe < self.PROBE_EVERY:
+            return self.PLUS
+        self._since_probe, self._probing, self._mark = 0, True, self.file_lookups
+        return self.PROBE
+
+    def no_probe(self) -> None:
+        """The PROBE listing had no file to hold back: probe the next listing instead."""
+        self._probing = False
+        self._since_probe = self.PROBE_EVERY - 1
+
+
 def patched(ops: type = pyfuse3.Operations) -> bool:
     """The installed pyfuse3 carries the patch (module docstring): files can be served
     without OPEN, and FileInfo takes noflush and cache_readdir."""
@@ -66,6 +117,8 @@ def patched(ops: type = pyfuse3.Operations) -> bool:
 
 
 PATCHED = patched()
+# The patch's `ReaddirToken.plus`: listings without attributes (`ListingMode`).
+AUTO_PLUS = hasattr(pyfuse3.ReaddirToken, "plus")
 
 
 class Operations(pyfuse3.Operations):
@@ -79,10 +132,15 @@ class Operations(pyfuse3.Operations):
     # ignores both, and the daemon answers OPEN there.
     inode_fh_without_open = True
     enable_atomic_o_trunc = False
+    # The patched pyfuse3: the kernel asks READDIRPLUS for the first part of a listing and
+    # after a lookup in the directory, plain READDIR otherwise (`readdir`).
+    enable_readdirplus_auto = True
 
     def __init__(self, view: MountView):
         super().__init__()
         self.view = view
+        self._plain = pyfuse3.EntryAttributes()  # a plain READDIR entry's inode number, mode
+        self.listings = ListingMode()
 
     def _attr(self, r: Record) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
@@ -105,7 +163,10 @@ class Operations(pyfuse3.Operations):
 
     @_translate
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext):
-        return self._attr(await self.view.lookup(parent_inode, name))
+        r = await self.view.lookup(parent_inode, name)
+        if not r.is_dir:
+            self.listings.file_lookups += 1
+        return self._attr(r)
 
     @_translate
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None):
@@ -137,18 +198,48 @@ class Operations(pyfuse3.Operations):
 
     @_translate
     async def readdir(self, fh: int, start_id: int, token) -> None:
+        if not getattr(token, "plus", True):  # an unpatched pyfuse3 asks READDIRPLUS only
+            await self._readdir_plain(fh, start_id, token)
+            return
+        # A READDIRPLUS after the start: the kernel asks again after a lookup in the directory.
+        mode = self.listings.start() if not start_id and AUTO_PLUS else ListingMode.PLUS
         pos = start_id
         more = True
-        limit = FIRST_BATCH  # a READDIRPLUS buffer holds ~20 entries: build no more than fit
+        limit = 1 if mode == ListingMode.NAMES else FIRST_BATCH  # a plus reply holds ~20
         while more:
             batch, more = await self.view.listing(fh, pos, limit)
             if not batch:
                 return
+            held = None
+            if mode == ListingMode.PROBE and not more:
+                held = next((r for r in reversed(batch) if not r.is_dir), None)
+                if held is None or held is batch[0] and pos == start_id:
+                    self.listings.no_probe()
+                    held = None
             for r in batch:
+                if r is held:
+                    return  # the kernel asks for the rest with plain READDIR
                 pos += 1
                 if not pyfuse3.readdir_reply(token, r.name, self._attr(r), pos):
                     return
+            if mode == ListingMode.NAMES:
+                return
             limit = min(4 * limit, 1024)
+
+    async def _readdir_plain(self, fh: int, pos: int, token) -> None:
+        attr = self._plain  # readdir_reply copies what it needs: inode number and type
+        more = True
+        limit = 1024
+        while more:
+            names, inodes, modes, more = await self.view.names(fh, pos, limit)
+            if not names:
+                return
+            for name, ino, mode in zip(names, inodes, modes):
+                pos += 1
+                attr.st_ino, attr.st_mode = ino, mode
+                if not pyfuse3.readdir_reply(token, name, attr, pos):
+                    return
+            limit = 4096
 
     async def releasedir(self, fh: int) -> None:
         return None

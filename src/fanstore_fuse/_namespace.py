@@ -69,25 +69,38 @@ class Namespace:
             self._size[i], self._first[i], self._count[i], self._nlink(i, k),
         )
 
+    def _names_of(self, lo: int, hi: int) -> list[bytes]:
+        """Names of entries lo..hi-1, the name heap read once."""
+        off = self._off[lo : hi + 1].tolist()
+        heap = bytes(self._names[off[0] : off[-1]])
+        base = off[0]
+        return [heap[a - base : z - base] for a, z in zip(off, off[1:])]
+
     def records(self, lo: int, hi: int) -> list[Record]:
         """Records of entries lo..hi-1 (a listing's slice), the columns read a slice at a time."""
         if hi <= lo:
             return []
-        off = self._off[lo : hi + 1].tolist()
-        heap = bytes(self._names[off[0] : off[-1]])
-        base = off[0]
         cols = [c[lo:hi].tolist() for c in (self._kind, self._mode, self._uid, self._gid,
                                             self._mtime, self._size, self._first, self._count)]
         return [
-            Record(i, heap[a - base : z - base], k, md, u, g, t, sz, f, c,
-                   1 if k != KIND_DIR else self._nlink(i, k))
-            for i, a, z, k, md, u, g, t, sz, f, c in zip(range(lo, hi), off, off[1:], *cols)
+            Record(i, name, k, md, u, g, t, sz, f, c, 1 if k != KIND_DIR else self._nlink(i, k))
+            for i, name, k, md, u, g, t, sz, f, c in zip(range(lo, hi), self._names_of(lo, hi),
+                                                         *cols)
         ]
 
     def listing(self, i: int, start: int, limit: int) -> list[Record]:
         """Up to `limit` children of directory `i` from position `start`."""
         kids = self.children(i)[start : start + limit]
         return self.records(kids.start, kids.stop)
+
+    def names(self, i: int, start: int, limit: int) -> tuple[int, list[bytes], list[int]]:
+        """`listing` with names and modes only (a plain READDIR): the first child's index,
+        the names, the modes."""
+        kids = self.children(i)[start : start + limit]
+        lo, hi = kids.start, kids.stop
+        if hi <= lo:
+            return lo, [], []
+        return lo, self._names_of(lo, hi), self._mode[lo:hi].tolist()
 
     def _nlink(self, i: int, kind: int) -> int:
         if kind != KIND_DIR:

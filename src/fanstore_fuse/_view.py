@@ -290,13 +290,36 @@ class MountView(ViewMeta):
         if origin(fh) == DATASET:
             n_ds = len(self.node.ns.children(fh - 1))
             if start < n_ds:
-                return await self.node.listdir(fh - 1, start, limit), True
+                batch = await self.node.listdir(fh - 1, start, limit)
+                return batch, start + len(batch) < n_ds or self._written_may_follow(fh)
         if not self.writable:
             return [], False
         at, extra = self._snapshots.pop(fh, (0.0, []))
         if time.monotonic() - at > SNAPSHOT_SECONDS:
             extra = await self._written_children(await self._dir_path(fh), fh)
         return extra[start - n_ds :], False
+
+    async def names(self, fh: int, start: int, limit: int = LISTING_BATCH
+                    ) -> tuple[list[bytes], list[int], list[int], bool]:
+        """`listing` for a plain READDIR: names, inode numbers and modes. The dataset's come
+        from this rank's manifest copy, which is what any owner answers."""
+        if origin(fh) == DATASET:
+            ns = self.node.ns
+            n_ds = len(ns.children(fh - 1))
+            if start < n_ds:
+                lo, names, modes = ns.names(fh - 1, start, limit)
+                more = start + len(names) < n_ds or self._written_may_follow(fh)
+                return names, list(range(lo + 1, lo + 1 + len(names))), modes, more
+        recs, more = await self.listing(fh, start, limit)
+        return [r.name for r in recs], [r.inode for r in recs], [r.mode for r in recs], more
+
+    def _written_may_follow(self, inode: int) -> bool:
+        """Whether a listing of this dataset directory may go on after the dataset's children
+        (false where the snapshot `listing_fixed` took at opendir found no written entry)."""
+        if not self.writable:
+            return False
+        snap = self._snapshots.get(inode)
+        return snap is None or bool(snap[1])
 
     async def _written_children(self, path: bytes, parent_inode: int) -> list[Record]:
         out: list[Record] = []
