@@ -343,6 +343,7 @@ class SharedWrites:
         table.register(OP_W_UNPUBLISH, self._h_unpublish)
         table.register(OP_W_STAT, self._h_stat)
         table.register(OP_W_LIST, self._h_list)
+        table.register_inline(OP_W_LIST, self._list_now)
         table.register(OP_W_READ, self._h_read)
         table.register(OP_W_SYNC, self._h_sync)
 
@@ -390,10 +391,18 @@ class SharedWrites:
         e = await self.publish(path)
         return Frame(req.op, req.req_id, body=pack(e.wire()))
 
-    async def _h_list(self, src: int, req: Frame) -> Frame:
+    def _list_now(self, src: int, req: Frame, block_upto: int) -> Frame:
+        """A directory's entries written anywhere, as its owner knows them. Answered on the
+        transport's own thread (`register_inline`: every opendir of a dataset directory on a
+        writable mount waits for one, and a hop to trio and back doubles its wait). The dict
+        is copied in one call, under the GIL; trio replaces a `Published`, never changes it."""
         path = unpack(req.body)
-        listing = self.listings.get(path, {}) if isinstance(path, bytes) else {}
-        return Frame(req.op, req.req_id, body=pack([e.wire() for e in listing.values()]))
+        listing = self.listings.get(path) if isinstance(path, bytes) else None
+        entries = list(listing.values()) if listing else []
+        return Frame(req.op, req.req_id, body=pack([e.wire() for e in entries]))
+
+    async def _h_list(self, src: int, req: Frame) -> Frame:
+        return self._list_now(src, req, 0)
 
     async def _h_read(self, src: int, req: Frame) -> Frame:
         w = unpack(req.body)
