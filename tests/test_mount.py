@@ -257,6 +257,24 @@ def test_default_local_dir_removed(dest: Path, tmp_path: Path, state_dir: Path):
     assert m.forced == []
 
 
+@pytest.mark.timeout(180)
+def test_umount_of_one_ranks_mountpoint_ends_every_rank(dest: Path, tmp_path: Path,
+                                                         state_dir: Path):
+    with mounted(dest, tmp_path / "mp-{rank}", state_dir, local=tmp_path / "local-{rank}",
+                 ranks=3) as m:
+        pids = m.state().pids
+        assert len(pids) == 3
+        t0 = time.monotonic()
+        r = run_cli("umount", m.mountpoints[1], env=m.env, timeout=60)
+        m.umount_result = r
+        assert time.monotonic() - t0 < 30, r.stderr
+        assert r.stderr.strip() == "unmounted: " + ", ".join(m.mountpoints), r.stderr
+        assert not any(_mountctl.is_mounted(mp) for mp in m.mountpoints)
+        assert not any(_mountctl.pid_alive(p) for p in pids)
+        assert not any((tmp_path / f"local-{k}").exists() for k in range(3))
+    assert m.forced == []
+
+
 def test_stale_mount_after_sigkill(src_tree: Path, dest: Path, tmp_path: Path, state_dir: Path):
     mp = tmp_path / "mp"
     local = tmp_path / "local"

@@ -107,11 +107,17 @@ class MountState:
 
 
 def find_state(mountpoint: str) -> MountState | None:
-    """The state of the mount whose template or any rank's mountpoint is `mountpoint`."""
+    """The state of the mount whose template or any rank's mountpoint is `mountpoint`: the
+    state of every rank on this host where there is one, not a rank's own (`umount` of one
+    rank's mountpoint ends the mount, as of its template)."""
     mp = os.path.abspath(mountpoint)
     direct = os.path.join(state_dir(), f"{mount_key(mp)}.json")
     if os.path.exists(direct):
-        return MountState.load(direct)
+        st = MountState.load(direct)
+        group = os.path.join(state_dir(), f"{mount_key(st.template)}.json")
+        if group != direct and os.path.exists(group):
+            return MountState.load(group)
+        return st
     for name in sorted(os.listdir(state_dir())):
         if not name.endswith(".json"):
             continue
