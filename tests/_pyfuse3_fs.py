@@ -1,7 +1,7 @@
 """A tiny pyfuse3 file system over a source directory that records the requests it gets.
 
     python tests/_pyfuse3_fs.py --src SRC --log LOG [--noflush NAME]... [--cache-readdir NAME]...
-                                [--no-open] MOUNTPOINT
+                                [--no-open] [--readdirplus-auto] MOUNTPOINT
 
 Used by tests/test_pyfuse3_api.py to check the API that scripts/pyfuse3/ adds to pyfuse3 on a
 real mount. Files and directories are SRC's (read, written and truncated in place); inodes are
@@ -15,6 +15,8 @@ is in LOG once the system call that caused the request has returned.
 - `--no-open`: `open` raises FUSEError(ENOSYS) (the kernel then opens files without OPEN),
   with `inode_fh_without_open = True` and `enable_atomic_o_trunc = False`; file handles are
   then inode numbers.
+- `--readdirplus-auto`: `enable_readdirplus_auto = True`; a READDIRPLUS (`token.plus`) is
+  answered with one entry, so the kernel asks for the rest with plain READDIR.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ TIMEOUT = 60.0  # entry and attribute timeout (s): no revalidation during a test
 
 class RecordingFs(pyfuse3.Operations):
     def __init__(self, src: str, log: str, noflush: set[str], cache_readdir: set[str],
-                 no_open: bool) -> None:
+                 no_open: bool, readdirplus_auto: bool = False) -> None:
         super().__init__()
         self.log = open(log, "a", buffering=1)  # noqa: SIM115 - open for the process's life
         self.noflush = noflush
@@ -43,6 +45,7 @@ class RecordingFs(pyfuse3.Operations):
         if no_open:
             self.inode_fh_without_open = True
             self.enable_atomic_o_trunc = False
+        self.enable_readdirplus_auto = readdirplus_auto
         self.paths: dict[int, str] = {pyfuse3.ROOT_INODE: src}
         self.children: dict[int, dict[bytes, int]] = {}
         self._scan(pyfuse3.ROOT_INODE, itertools.count(pyfuse3.ROOT_INODE + 1))
@@ -96,6 +99,7 @@ class RecordingFs(pyfuse3.Operations):
         child = self.children.get(parent_inode, {}).get(name)
         if child is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
+        self.record("lookup", ino=child)
         return await self.getattr(child)
 
     async def forget(self, inode_list) -> None:
@@ -118,12 +122,15 @@ class RecordingFs(pyfuse3.Operations):
         return inode
 
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        self.record("readdir", ino=fh, start=start_id)
+        plus = getattr(token, "plus", True)
+        self.record("readdir", ino=fh, start=start_id, plus=plus)
         entries = list(self.children[fh].items())
         for i in range(start_id, len(entries)):
             name, child = entries[i]
             if not pyfuse3.readdir_reply(token, name, await self.getattr(child), i + 1):
                 break
+            if plus and self.enable_readdirplus_auto:
+                break  # one entry with attributes; the kernel asks for the rest plainly
 
     async def releasedir(self, fh: int) -> None:
         pass
@@ -168,9 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--noflush", action="append", default=[])
     p.add_argument("--cache-readdir", action="append", default=[])
     p.add_argument("--no-open", action="store_true")
+    p.add_argument("--readdirplus-auto", action="store_true")
     p.add_argument("mountpoint")
     a = p.parse_args(argv)
-    fs = RecordingFs(a.src, a.log, set(a.noflush), set(a.cache_readdir), a.no_open)
+    fs = RecordingFs(a.src, a.log, set(a.noflush), set(a.cache_readdir), a.no_open,
+                     a.readdirplus_auto)
     options = set(pyfuse3.default_options) | {"fsname=pyfuse3_api_test"}
     pyfuse3.init(fs, a.mountpoint, options)
     fd = pyfuse3.get_session_fd()

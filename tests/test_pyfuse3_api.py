@@ -1,7 +1,8 @@
 """The public API that scripts/pyfuse3/pyfuse3-3.5.0-public-api.patch adds to pyfuse3, on a real
 mount of a tiny pyfuse3 file system (tests/_pyfuse3_fs.py) that records the requests it gets:
 FileInfo.noflush, FileInfo.cache_readdir (opendir returning a FileInfo),
-Operations.inode_fh_without_open, Operations.enable_atomic_o_trunc and get_session_fd().
+Operations.inode_fh_without_open, Operations.enable_atomic_o_trunc, get_session_fd() and
+Operations.enable_readdirplus_auto with ReaddirToken.plus.
 
 `make install` installs the patched pyfuse3 (scripts/install-pyfuse3.sh); under a pyfuse3
 without it these tests skip (fanstore-fuse then answers OPEN itself)."""
@@ -137,6 +138,8 @@ def test_cache_readdir_second_listing_sends_no_readdir(tiny_fs) -> None:
     assert len(fs.records("opendir", d)) == 2  # the directory was opened again ...
     assert len(fs.records("readdir", d)) == first  # ... and listed from the kernel's cache
     assert all(r["cache_readdir"] for r in fs.records("opendir", d))
+    # without enable_readdirplus_auto every listing request asks for attributes
+    assert all(r["plus"] for r in fs.records("readdir"))
 
     # The root's opendir returns an int (the old API): every listing reads the directory.
     want_root = sorted(os.listdir(fs.src))
@@ -146,6 +149,26 @@ def test_cache_readdir_second_listing_sends_no_readdir(tiny_fs) -> None:
     assert len(fs.records("readdir", root)) > n
     # The cached listing still matches the source byte for byte after reading its files.
     for name in want:
+        assert (fs.mnt / "d" / name).read_bytes() == (fs.src / "d" / name).read_bytes()
+
+
+@pytest.mark.timeout(120)
+def test_readdirplus_auto_lists_the_rest_without_attributes(tiny_fs) -> None:
+    fs = tiny_fs("--readdirplus-auto")
+    d = fs.ino("d")
+    with os.scandir(fs.mnt / "d") as it:
+        got = [(e.name, e.inode(), e.is_dir(follow_symlinks=False)) for e in it]
+    assert [(n, isdir) for n, _, isdir in got] == [
+        (e.name, e.is_dir()) for e in sorted(os.scandir(fs.src / "d"), key=lambda e: e.name)]
+    plus = [r["plus"] for r in fs.records("readdir", d)]
+    assert plus[0] is True and len(plus) >= 2 and not any(plus[1:]), plus
+    # the kernel holds a lookup only for the entry that came with attributes
+    for name, ino, _ in got:
+        assert os.stat(fs.mnt / "d" / name).st_ino == ino
+    looked_up = [r["ino"] for r in fs.records("lookup")]
+    assert got[0][1] not in looked_up
+    assert all(ino in looked_up for _, ino, _ in got[1:]), looked_up
+    for name, _, _ in got:
         assert (fs.mnt / "d" / name).read_bytes() == (fs.src / "d" / name).read_bytes()
 
 
