@@ -28,22 +28,24 @@ def test_a_walk_that_stats_keeps_attributes_and_probes_every_eighth_listing() ->
     assert modes[ListingMode.PROBE_EVERY - 1] == PROBE
 
 
-def test_a_probe_whose_file_is_not_stated_ends_the_attributes() -> None:
+def _at_a_probe() -> ListingMode:
+    """A mode that switched to attributes (files stat'ed after a listing) and began a probe."""
     m = ListingMode()
     m.start()
     m.file_lookups += 10
     while m.start() != PROBE:
         pass
+    return m
+
+
+def test_a_probe_whose_file_is_not_stated_ends_the_attributes() -> None:
+    m = _at_a_probe()
     assert m.start() == NAMES  # nothing looked up since the probe: find follows the walk
     assert m.start() == NAMES
 
 
 def test_a_listing_without_files_probes_the_next_one() -> None:
-    m = ListingMode()
-    m.start()
-    m.file_lookups += 10
-    while m.start() != PROBE:
-        pass
+    m = _at_a_probe()
     m.no_probe()  # a directory of directories: no file to hold back
     assert m.start() == PROBE
     m.file_lookups += 1

@@ -394,8 +394,8 @@ class SharedWrites:
     def _list_now(self, src: int, req: Frame, block_upto: int) -> Frame:
         """A directory's entries written anywhere, as its owner knows them. Answered on the
         transport's own thread (`register_inline`: every opendir of a dataset directory on a
-        writable mount waits for one, and a hop to trio and back doubles its wait). The dict
-        is copied in one call, under the GIL; trio replaces a `Published`, never changes it."""
+        writable mount waits for one, so it skips the hop to trio and back). The dict is
+        copied in one call, under the GIL; trio replaces a `Published`, never changes it."""
         path = unpack(req.body)
         listing = self.listings.get(path) if isinstance(path, bytes) else None
         entries = list(listing.values()) if listing else []
