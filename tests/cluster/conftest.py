@@ -104,6 +104,37 @@ def _clean(c: Cluster) -> None:
                    capture_output=True, timeout=30)
 
 
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as e:
+        return f"({e})"
+
+
+def _cluster_logs(c: Cluster, since: float) -> str:
+    """What the cluster wrote while a test ran: the prolog's and epilog's job logs, the mount
+    logs left on the nodes, and the tails of slurmctld's and each slurmd's logs (the cluster
+    dir, logs included, is gone once the session ends)."""
+    paths = sorted((c.root / "fanstore-jobs").glob("job-*.log"))
+    for k in range(c.nodes):
+        paths += sorted(c.node_tmp(k).glob("fanstore-fuse-*/*.log"))
+    paths = [p for p in paths if p.exists() and p.stat().st_mtime >= since]
+    paths += sorted((c.root / "log").glob("slurm*.log"))
+    return "\n".join(f"--- {p}\n{_tail(p)}" for p in paths)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
+    """A failed test on the session's cluster gets the cluster's logs in its report, taken
+    before the teardown cleans the nodes."""
+    report = yield
+    if report.failed and report.when == "call":
+        c = getattr(item, "funcargs", {}).get("slurm_cluster")
+        if isinstance(c, Cluster):
+            report.sections.append(("cluster logs", _cluster_logs(c, call.start - 5)))
+    return report
+
+
 @pytest.fixture(autouse=True)
 def _isolated(request: pytest.FixtureRequest) -> Iterator[None]:
     """Each test on the session's cluster leaves it as it found it: after the test (its jobs
