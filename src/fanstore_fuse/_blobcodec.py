@@ -38,6 +38,11 @@ _ENTRY = struct.Struct("<IQ")  # stored length | ZSTD_BIT, xxh3 of the raw bytes
 assert _HEAD.size == FRAME_HEAD and _ENTRY.size == FRAME_ENTRY
 ZSTD_BIT = 1 << 31
 MAX_FRAME = MAX_CHUNK_SIZE
+
+# Verified raw bytes as they are handed on: a buffer read or received for one blob alone is
+# passed on without a copy (a memoryview of a received frame's body, of a stored blob after
+# its frame table), and pyfuse3 replies from any buffer.
+Buffer = bytes | bytearray | memoryview
 DEFAULT_FRAME_SIZE = 128 << 10  # zstd frames: one buffered FUSE read (128 KiB) decodes one
 RAW_FRAME_SIZE = 16 << 10  # raw sub-blocks: a 4 KiB random read reads and hashes 16 KiB
 
@@ -151,10 +156,11 @@ def decode_frame(t: FrameTable, k: int, stored: bytes | memoryview, where: str) 
     return raw
 
 
-def decode_all(stored: bytes | bytearray | memoryview, raw_len: int, digest: int, where: str) -> bytes:
+def decode_all(stored: Buffer, raw_len: int, digest: int, where: str) -> Buffer:
     """The whole blob (a remote fetch, a sequential reader, verify): every frame decoded and
-    verified; raw frames are checked in place and the result is built with one copy (a fresh
-    4 MiB buffer filled twice costs more than decoding: page faults)."""
+    verified. Raw frames are checked in place; when every frame is raw the result is a view of
+    `stored` after its table (no copy: a fresh 4 MiB buffer costs a page fault per 4 KiB),
+    else the frames are joined with one copy."""
     mv = memoryview(stored)
     t = parse_table(mv, len(mv), raw_len, digest, where)
     o = t.offsets
@@ -168,7 +174,7 @@ def decode_all(stored: bytes | bytearray | memoryview, raw_len: int, digest: int
         else:
             pieces.append(piece)
     if not any(t.zstd):  # raw frames lie back to back after the table
-        return bytes(mv[o[0] :])
+        return mv[o[0] :]
     return b"".join(pieces)
 
 
@@ -207,14 +213,14 @@ class BlobCodec:
         return d
 
     def decode(
-        self, stored: bytes | bytearray | memoryview, codec: int, raw_len: int, digest: int,
-        where: str,
-    ) -> bytes | bytearray:
+        self, stored: Buffer, codec: int, raw_len: int, digest: int, where: str,
+    ) -> Buffer:
+        """The raw bytes of a stored blob, verified. `stored` must be a buffer of this blob
+        alone that nothing writes to again: a raw blob is returned as it is."""
         if codec == CODEC_FRAMED:
             return decode_all(stored, raw_len, digest, where)
         if codec == CODEC_RAW:
-            # a buffer read for this blob alone is passed on as it is (no copy)
-            raw = stored if isinstance(stored, (bytes, bytearray)) else bytes(stored)
+            raw = stored
         else:
             # A frame that claims more than the recorded raw length (a zstd bomb) is refused
             # before any output is allocated; without a content size the output is capped.

@@ -10,7 +10,7 @@ from bisect import bisect_left
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ._blobcodec import BlobCodec, FrameTable, decode_frame, parse_table, table_bytes_needed
+from ._blobcodec import BlobCodec, Buffer, FrameTable, decode_frame, parse_table, table_bytes_needed
 from ._errors import ChecksumError
 from ._format import CODEC_FRAMED, Manifest, checksum
 from ._fsio import CachedReads
@@ -170,20 +170,18 @@ class BlobStore:
 
     def _raw_slice(
         self, blob: int, t: FrameTable, k0: int, k1: int, lo: int, hi: int, data: bytes | bytearray
-    ) -> bytes:
-        """Bytes lo..hi of the blob from the stored bytes of raw frames k0..k1, each frame's
-        xxh3 checked first (no copy but the result)."""
+    ) -> Buffer:
+        """Bytes lo..hi of the blob from the stored bytes of raw frames k0..k1 (read for this
+        call alone), each frame's xxh3 checked first: a view, no copy."""
         mv, o = memoryview(data), t.offsets
         base = o[k0]
         for k in range(k0, k1 + 1):
             if checksum(mv[o[k] - base : o[k + 1] - base]) != t.digests[k]:
                 raise ChecksumError(f"{self.where(blob)}: frame {k} xxh3 checksum mismatch")
         a = lo - k0 * t.frame_size
-        if a == 0 and hi - lo == len(data) and isinstance(data, bytes):
-            return data
-        return bytes(mv[a : a + hi - lo])
+        return data if a == 0 and hi - lo == len(data) else mv[a : a + hi - lo]
 
-    def raw_range(self, blob: int, k0: int, k1: int, lo: int, hi: int) -> bytes:
+    def raw_range(self, blob: int, k0: int, k1: int, lo: int, hi: int) -> Buffer:
         """Bytes lo..hi of a framed blob whose frames k0..k1 (covering them) are stored raw:
         one pread of those frames, each verified (blocking)."""
         t = self.table(blob)
@@ -193,7 +191,7 @@ class BlobStore:
 
     def raw_range_if_cached(
         self, blob: int, t: FrameTable, k0: int, k1: int, lo: int, hi: int
-    ) -> bytes | None:
+    ) -> Buffer | None:
         rel, n = t.span(k0, k1)
         data = self._pread_nowait(blob, n, self._offset(blob) + rel)
         return None if data is None else self._raw_slice(blob, t, k0, k1, lo, hi, data)
@@ -224,7 +222,7 @@ class BlobStore:
             raise ChecksumError(f"{self.where(blob)}: partition truncated")
         return True
 
-    def decode(self, blob: int, stored: bytes | bytearray | memoryview) -> bytes | bytearray:
+    def decode(self, blob: int, stored: Buffer) -> Buffer:
         """Decode and verify bytes that claim to be `blob` (local or from a peer): their length
         must be the manifest's stored size before anything is decoded."""
         if len(stored) != self._stored[blob]:
@@ -234,7 +232,7 @@ class BlobStore:
             stored, self._codec[blob], self._raw[blob], self._xxh[blob], self.where(blob)
         )
 
-    def raw(self, blob: int) -> bytes | bytearray:
+    def raw(self, blob: int) -> Buffer:
         if self._codec[blob] == CODEC_FRAMED:
             t = self.table(blob)
             if not any(t.zstd):  # raw sub-blocks: read them as they lie, check, no copy

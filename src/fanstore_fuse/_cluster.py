@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import trio
 
+from ._blobcodec import Buffer
 from ._blobstore import BlobStore
 from ._diskcache import DiskCache
 from ._errors import ChecksumError, FanstoreError, NotFound, PeerError
@@ -128,12 +129,12 @@ class ClusterBlobSource:
         """This rank holds `blob` (the node then reads single frames of it from `local`)."""
         return self.placement.holds(self.rank, blob)
 
-    async def _decode(self, blob: int, stored: bytes | memoryview) -> bytes | bytearray:
+    async def _decode(self, blob: int, stored: Buffer) -> Buffer:
         if len(stored) >= self.local.threshold:
             return await WORKERS.run(self.store.decode, blob, stored)
         return self.store.decode(blob, stored)
 
-    async def fetch(self, blob: int) -> bytes | bytearray:
+    async def fetch(self, blob: int) -> Buffer:
         holders = self.placement.locate_data(blob)
         others = [h for h in holders if h != self.rank]
         if self.rank in holders:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from . import _stageout_all as stageout_all
+from ._blobcodec import Buffer
 from ._blobstore import BlobStore
 from ._cluster import ClusterBlobSource, ClusterMetadata, StatusBoard, serve_handlers
 from ._diskcache import BLOCKED, CACHE_DIR, DiskCache, manifest_raw_digest, resolve_limit
@@ -93,13 +94,14 @@ class CachingBlobSource:
             where = self._where[blob] = 1 if self.held(blob) else 2
         return bool(where == 1)
 
-    async def fetch(self, blob: int) -> bytes | bytearray:
+    async def fetch(self, blob: int) -> Buffer:
         cache = self.cache
         if cache.has(blob):
             data = cache.read(blob, nowait=True) if self.sizes[blob] < self.threshold else BLOCKED
             if data is BLOCKED:
                 data = await WORKERS.run(cache.read, blob)
-            if isinstance(data, bytes):
+            if data is not None and data is not BLOCKED:
+                assert isinstance(data, (bytes, bytearray, memoryview))
                 self.stats.local_reads += 1
                 self.stats.local_bytes += len(data)
                 return data

@@ -42,6 +42,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from ._blobcodec import Buffer
 from ._errors import FanstoreError
 from ._format import CODEC_FRAMED, checksum
 from ._fsio import CachedReads, name_this_thread, untouched_zeros
@@ -155,11 +156,11 @@ class DiskCache:
         self.written = 0
         self.disabled = limit <= 0
         self._full_logged = False
-        self._queue: queue.SimpleQueue[tuple[int, bytes | bytearray] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[int, Buffer] | None] = queue.SimpleQueue()
         self._queued = 0  # bytes in the queue
         # blobs queued and not yet written: readable from here, so a blob that leaves the memory
         # cache before the writer reached it is not fetched from its owner a second time
-        self._pending: dict[int, bytes | bytearray] = {}
+        self._pending: dict[int, Buffer] = {}
         self._qlock = threading.Lock()
         self._queue_bytes = queue_bytes
         self._idle = threading.Event()
@@ -185,7 +186,7 @@ class DiskCache:
         """Count a lookup of a blob the cache does not have (the caller fetches it)."""
         self.misses += 1
 
-    def read(self, blob: int, nowait: bool = False) -> bytes | None | object:
+    def read(self, blob: int, nowait: bool = False) -> Buffer | None | object:
         """The verified bytes of `blob`; None if not cached (any bad or unreadable entry is
         dropped first); `BLOCKED` with `nowait` when the page cache does not hold them all."""
         loc = int(self._loc[blob])
@@ -205,6 +206,7 @@ class DiskCache:
                 return None
             seg.pins += 1
         n = self._sizes[blob] + ENTRY_HEADER
+        entry: bytes | bytearray | None
         try:
             if nowait:
                 entry = self._read_nowait(seg.fd, n, off)
@@ -218,17 +220,17 @@ class DiskCache:
         finally:
             self._unpin(seg)
         got = len(entry)
-        data = entry[ENTRY_HEADER:]
+        data = memoryview(entry)[ENTRY_HEADER:]  # a view: the entry was read for this blob alone
         if got != n or checksum(data) != _DIGEST.unpack_from(entry)[0]:
             self._drop(blob, seg, "xxh3 checksum mismatch" if got == n else "entry truncated")
             return None
         self.hits += 1
         return data
 
-    def _read_nowait(self, fd: int, n: int, off: int) -> bytes | None:
+    def _read_nowait(self, fd: int, n: int, off: int) -> bytearray | None:
         """The bytes if the page cache holds them all, else None at once (RWF_NOWAIT)."""
         buf = bytearray(n)
-        return bytes(buf) if self._cached.readinto(fd, buf, off) else None
+        return buf if self._cached.readinto(fd, buf, off) else None
 
     def _unpin(self, seg: _Segment) -> None:
         with self._lock:
@@ -250,7 +252,7 @@ class DiskCache:
 
     # ------------------------------------------------------------ writes
 
-    def put(self, blob: int, data: bytes | bytearray) -> None:
+    def put(self, blob: int, data: Buffer) -> None:
         """Queue verified raw bytes of `blob` for the writer thread; never blocks, never fails."""
         n = len(data)
         with self._qlock:
@@ -296,7 +298,7 @@ class DiskCache:
                 if self._queue.empty():
                     self._idle.set()
 
-    def _write(self, batch: list[tuple[int, bytes | bytearray]]) -> None:
+    def _write(self, batch: list[tuple[int, Buffer]]) -> None:
         """Append the batch, one `pwritev` per segment filled, then publish the entries."""
         seg, pending, psize, seen = None, [], 0, set()
         for blob, data in batch:
@@ -340,9 +342,9 @@ class DiskCache:
                 self.bytes += DATA_START
         return seg
 
-    def _append(self, seg: _Segment, items: list[tuple[int, bytes | bytearray]]) -> bool:
+    def _append(self, seg: _Segment, items: list[tuple[int, Buffer]]) -> bool:
         size = sum(ENTRY_HEADER + len(d) for _, d in items)
-        iov: list[bytes | bytearray] = []
+        iov: list[Buffer] = []
         for blob, d in items:
             known = self._raw_digest(blob) if self._raw_digest is not None else None
             iov += (_DIGEST.pack(checksum(d) if known is None else known), d)

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
-from ._blobcodec import FrameTable
+from ._blobcodec import Buffer, FrameTable
 from ._format import CODEC_FRAMED
 from ._node import BlobCache, Stats
 
@@ -57,7 +57,7 @@ class FrameReader:
         blob, k = key
         return (await self.source.fetch_frames(blob, k, k))[0]
 
-    async def read(self, blob: int, lo: int, hi: int) -> bytes:
+    async def read(self, blob: int, lo: int, hi: int) -> Buffer:
         """Bytes lo..hi of `blob`, verified frame by frame."""
         t = await self.source.table(blob)
         fs = t.frame_size
@@ -66,11 +66,11 @@ class FrameReader:
             return await self.source.read_raw(blob, k0, k1, lo, hi)
         if k0 != k1:
             await self._fill(blob, k0, k1)
-        parts = []
+        parts: list[Buffer] = []
         for k in range(k0, k1 + 1):
             data = await self.cache.get((blob, k))
             base = k * fs
-            parts.append(data[max(lo, base) - base : min(hi, base + len(data)) - base])
+            parts.append(memoryview(data)[max(lo, base) - base : min(hi, base + len(data)) - base])
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def _fill(self, blob: int, k0: int, k1: int) -> None:

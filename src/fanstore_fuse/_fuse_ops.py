@@ -26,6 +26,7 @@ from typing import Any, TypeVar, cast
 
 import pyfuse3
 
+from ._blobcodec import Buffer
 from ._errors import FanstoreError, InvalidArgument
 from ._namespace import Record
 from ._view import MountView
@@ -256,7 +257,7 @@ class Operations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
 
     @_translate
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int) -> Buffer:
         return await self.view.read(fh, off, size)
 
     @_translate

@@ -17,7 +17,7 @@ from typing import Any, Protocol, TypeVar
 
 import trio
 
-from ._blobcodec import FrameTable
+from ._blobcodec import Buffer, FrameTable
 from ._blobstore import BlobStore
 from ._errors import ChecksumError, FanstoreError
 from ._namespace import Namespace, Record
@@ -42,7 +42,7 @@ T = TypeVar("T")
 class BlobSource(Protocol):
     """Where verified raw blob bytes come from."""
 
-    async def fetch(self, blob: int) -> bytes | bytearray: ...
+    async def fetch(self, blob: int) -> Buffer: ...
 
 
 class LocalBlobSource:
@@ -54,7 +54,7 @@ class LocalBlobSource:
         self.threshold = threshold
         self._busy = 0  # frame reads waiting in worker threads
 
-    async def fetch(self, blob: int) -> bytes | bytearray:
+    async def fetch(self, blob: int) -> Buffer:
         self.stats.local_reads += 1
         store = self.store
         stored = None
@@ -94,7 +94,7 @@ class LocalBlobSource:
         finally:
             self._busy -= 1
 
-    async def read_raw(self, blob: int, k0: int, k1: int, lo: int, hi: int) -> bytes:
+    async def read_raw(self, blob: int, k0: int, k1: int, lo: int, hi: int) -> Buffer:
         """Bytes lo..hi of a framed blob from its raw frames k0..k1, verified, not cached."""
         store = self.store
         t = await self.table(blob)
@@ -165,7 +165,7 @@ class _Fetch:
     def __init__(self) -> None:
         self.done = trio.Event()
         self.error: FanstoreError | None = None
-        self.data: bytes | None = None  # for the waiters when the blob is not kept
+        self.data: Buffer | None = None  # for the waiters when the blob is not kept
 
 
 class BlobCache:
@@ -184,12 +184,12 @@ class BlobCache:
     # 2 slots that third blob pushed out a chunk still being read (test_smallcache, under load)
     BIG_SLOTS = 4
 
-    def __init__(self, fetch: Callable[[Hashable], Awaitable[bytes]], stats: Stats, limit: int):
+    def __init__(self, fetch: Callable[[Hashable], Awaitable[Buffer]], stats: Stats, limit: int):
         self._fetch = fetch
         self._stats = stats
         self._limit = limit
-        self._data: OrderedDict[Hashable, bytes] = OrderedDict()
-        self._big: OrderedDict[Hashable, bytes] = OrderedDict()  # over the limit, last few
+        self._data: OrderedDict[Hashable, Buffer] = OrderedDict()
+        self._big: OrderedDict[Hashable, Buffer] = OrderedDict()  # over the limit, last few
         self._bytes = 0
         self._pending: dict[Hashable, _Fetch] = {}
 
@@ -232,7 +232,7 @@ class BlobCache:
                 del self._pending[k]
                 f.done.set()
 
-    async def get(self, blob: Hashable, keep: bool = True) -> bytes:
+    async def get(self, blob: Hashable, keep: bool = True) -> Buffer:
         """The blob, from memory or fetched once however many ask at a time. `keep=False`:
         not kept after those waiting have it (a READ of a whole small file: the kernel's
         page cache keeps its bytes, and memory the cache would fill costs page faults)."""
@@ -272,7 +272,7 @@ class BlobCache:
             self._insert(blob, data)
         return data
 
-    def _insert(self, blob: Hashable, data: bytes) -> None:
+    def _insert(self, blob: Hashable, data: Buffer) -> None:
         if len(data) > self._limit:
             self._big[blob] = data
             if len(self._big) > self.BIG_SLOTS:
@@ -373,7 +373,7 @@ class Node:
 
     # ------------------------------------------------------------ data
 
-    async def read(self, index: int, off: int, size: int) -> bytes:
+    async def read(self, index: int, off: int, size: int) -> Buffer:
         rec = await self.meta.record(index)
         if off >= rec.size or size <= 0:
             return b""
@@ -385,7 +385,7 @@ class Node:
                                    or frames.sequential(index, off, end)):
             frames = None  # not framed here, or a sequential reader: whole blobs, read-ahead
         whole = rec.count == 1 and off == 0 and end == rec.size
-        parts = []
+        parts: list[Buffer] = []
         for k in range(k0, k1 + 1):
             base = k * chunk
             lo, hi = max(off, base) - base, min(end, base + chunk) - base
@@ -402,8 +402,8 @@ class Node:
                     log.error("blob %d: bad local frame, fetching the whole blob", first + k)
             try:
                 data = await self.cache.get(first + k, keep=not whole)
-                # a whole small blob goes out as it is (slicing a bytearray would copy it)
-                parts.append(data if lo == 0 and hi == len(data) else data[lo:hi])
+                # a view of the part asked for: slicing bytes would copy it
+                parts.append(data if lo == 0 and hi == len(data) else memoryview(data)[lo:hi])
             except ChecksumError:
                 if self.frames is None or not self.frames.usable(first + k):
                     raise

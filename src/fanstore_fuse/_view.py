@@ -42,6 +42,7 @@ from typing import TypeVar
 
 import trio
 
+from ._blobcodec import Buffer
 from ._errors import (
     CrossDevice,
     Exists,
@@ -370,7 +371,7 @@ class MountView(ViewMeta):
             raise ReadOnly("the dataset is read-only")
         return inode, True
 
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int) -> Buffer:
         if REMOTE_FH <= fh < WRITE_FH:
             assert self.shared is not None
             return await self.shared.read_open(self._remote_open[fh], off, size)
