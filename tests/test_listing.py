@@ -4,13 +4,17 @@ still listed after the dataset's. Real mounts, compared with the source tree."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
+import time
 from pathlib import Path
 
 import pytest
-from _harness import mounted, prep_cli
+from _harness import mounted, prep_cli, status_ranks
+
+from fanstore_fuse._ring import Placement
 
 pytestmark = [pytest.mark.mount]
 
@@ -139,3 +143,42 @@ def test_listings_and_attributes_on_three_ranks(tmp_path, state_dir, prepped):
         names = os.listdir(os.path.join(m.mountpoints[0], "walk", "d1"))
         assert len(names) == 301 and "late.txt" in names
         assert "Traceback" not in m.log_text()
+
+
+def test_a_directory_nobody_wrote_in_is_listed_without_asking_its_owner(tmp_path, state_dir,
+                                                                       prepped):
+    """On a writable mount, a rank lists a dataset directory it does not own without asking
+    the owner for written entries until some rank writes in it: the owner tells every rank
+    before that first create returns, and from then on every rank's listing asks it."""
+    src, dest = prepped
+    with mounted(dest, tmp_path / "mnt-{rank}", state_dir, local=tmp_path / "local-{rank}",
+                 ranks=3) as m:
+        mps = m.mountpoints
+
+        def inline() -> list[int]:  # requests answered on each rank's MPI thread (listings')
+            data = json.loads(os.getxattr(mps[0], "user.fanstore.status"))
+            return [r["mpi_served_inline"] for r in status_ranks(data)]
+
+        before, deadline = inline(), time.monotonic() + 10
+        while time.monotonic() < deadline:  # the start-up's own reads are over
+            time.sleep(0.5)
+            now = inline()
+            if now == before:
+                break
+            before = now
+        dirs = [f"walk/d{d}" for d in range(4)]
+        for mp in mps:
+            for d in dirs:
+                assert sorted(os.listdir(os.path.join(mp, d))) == sorted(os.listdir(src / d))
+        assert inline() == before
+        d = "walk/d2"
+        owner = Placement(3, 1).locate_metadata(d.encode())
+        writer = (owner + 1) % 3
+        with open(os.path.join(mps[writer], d, "new.txt"), "wb") as f:
+            f.write(b"written on one rank")
+        for mp in mps:
+            assert sorted(os.listdir(os.path.join(mp, d))) == sorted([*os.listdir(src / d),
+                                                                      "new.txt"])
+        assert inline()[owner] > before[owner]  # the other ranks asked it
+        assert "Traceback" not in m.log_text()
+

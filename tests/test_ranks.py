@@ -18,6 +18,7 @@ from fanstore_fuse._errors import ChecksumError
 from fanstore_fuse._format import MANIFEST_NAME
 from fanstore_fuse._fuse_ops import Operations
 from fanstore_fuse._manifest import read_manifest
+from fanstore_fuse._messages import OP_W_DIRTY, OP_W_LIST
 from fanstore_fuse._ring import Placement
 from fanstore_fuse._shared_writes import REMOTE_INODE_BASE
 from fanstore_fuse.writes import WriteStore
@@ -161,3 +162,65 @@ async def test_a_silent_owner_does_not_break_listing_the_dataset(two_ranks, repl
         whole = await listdir(ops1, root, replies)
     net.silent.add(owner)
     assert await listdir(ops1, root, replies) == whole
+
+
+@pytest.fixture
+def three_writable(cluster):
+    """Three ranks with written files, and every request they send, as (from, to, op)."""
+    dest, _, locals_ = cluster
+    placement = Placement(N, 1)
+    net = Net(N)
+    stores = [WriteStore(str(locals_[r]), r) for r in range(N)]
+    parts = [compose_rank(net, r, dest, locals_[r], placement, stores[r]) for r in range(N)]
+    sent: list[tuple[int, int, int]] = []
+    for p in parts:
+        link, send = p.transport, p.transport.request
+
+        async def logged(dest_, frame, timeout, link=link, send=send):
+            sent.append((link.rank, dest_, frame.op))
+            return await send(dest_, frame, timeout)
+
+        link.request = logged
+    yield [Operations(p.view) for p in parts], placement, net, sent
+    for s in stores:
+        s.close_store()
+    for p in parts:
+        p.close()
+
+
+async def test_a_dataset_directory_is_listed_without_asking_until_someone_writes_in_it(
+        three_writable, replies):
+    ops, placement, net, sent = three_writable
+    owner = placement.locate_metadata(b"classes")
+    reader, writer = (owner + 1) % N, (owner + 2) % N
+    d = [await resolve(o, b"classes") for o in ops]
+    names = await listdir(ops[reader], d[reader], replies)
+    assert (reader, owner, OP_W_LIST) not in sent  # nobody wrote there: nothing to ask
+    # The first create in it is announced to every other rank before it returns...
+    info, _ = await ops[writer].create(d[writer], b"new.bin", 0o100644, os.O_WRONLY | os.O_CREAT, CTX)
+    assert {(owner, r, OP_W_DIRTY) for r in range(N) if r != owner} <= set(sent)
+    # ...so every rank lists the new entry at once, asking the owner from then on.
+    for r in range(N):
+        assert await listdir(ops[r], d[r], replies) == [*names, b"new.bin"]
+    assert (reader, owner, OP_W_LIST) in sent
+    await ops[writer].release(info.fh)
+    # A second entry is not announced again; a rank that does not answer is skipped.
+    announced = sent.count((owner, reader, OP_W_DIRTY))
+    info, _ = await ops[writer].create(d[writer], b"two.bin", 0o100644, os.O_WRONLY | os.O_CREAT, CTX)
+    await ops[writer].release(info.fh)
+    assert sent.count((owner, reader, OP_W_DIRTY)) == announced
+    # A rank that does not answer the announcement is skipped (and not asked again).
+    net.silent.add(reader)
+    told = [x for x in sent if x[1] == reader and x[2] == OP_W_DIRTY]
+    candidates = [b"a", b"a/b", b"a/b/c", b"empty dir", *(b"classes/class_%d" % k for k in range(3))]
+    by_owner: dict[int, list[bytes]] = {}
+    for p in candidates:
+        by_owner.setdefault(placement.locate_metadata(p), []).append(p)
+    o, two = next((o, ps[:2]) for o, ps in by_owner.items() if o != reader and len(ps) >= 2)
+    for p in two:
+        parent = await resolve(ops[o], p)
+        info, _ = await ops[o].create(parent, b"late.bin", 0o100644, os.O_WRONLY | os.O_CREAT, CTX)
+        await ops[o].release(info.fh)
+        assert b"late.bin" in await listdir(ops[o], parent, replies)
+    tries = [x for x in sent if x[1] == reader and x[2] == OP_W_DIRTY]
+    assert len(tries) == len(told) + 1, tries  # the first announcement timed out, not the second

@@ -13,6 +13,7 @@ mounts `Operations(parts.view)` and runs `parts.transport.run` on trio.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -26,6 +27,7 @@ from ._blobcodec import Buffer
 from ._blobstore import BlobStore
 from ._cluster import ClusterBlobSource, ClusterMetadata, StatusBoard, serve_handlers
 from ._diskcache import BLOCKED, CACHE_DIR, DiskCache, manifest_raw_digest, resolve_limit
+from ._errors import FanstoreError
 from ._format import Manifest
 from ._fsio import untouched_zeros
 from ._messages import HandlerTable
@@ -114,6 +116,14 @@ class CachingBlobSource:
         return data
 
 
+def _is_dataset_dir(ns: Namespace, path: bytes) -> bool:
+    """Whether `path` (relative to the mount) names a directory of the dataset."""
+    try:
+        return ns.is_dir(ns.resolve(path))
+    except FanstoreError:  # not in the dataset, or under one of its files
+        return False
+
+
 def open_disk_cache(manifest: Manifest, local_dir: str, settings: Settings) -> DiskCache | None:
     """The rank's disk cache in `LOCAL/cache` (None when its size resolves to 0)."""
     directory = os.path.join(local_dir, CACHE_DIR)
@@ -183,7 +193,8 @@ def compose(
     serve_handlers(table, rank, node, placement, store, board.local)
     shared = None
     if writes is not None:
-        shared = SharedWrites(rank, placement, transport, writes, peer_timeout)
+        shared = SharedWrites(rank, placement, transport, writes, peer_timeout,
+                              dataset_dir=functools.partial(_is_dataset_dir, ns))
         shared.register(table)
     view = MountView(node, writes, shared, os.getuid() if owner_uid is None else owner_uid,
                      board.gather)

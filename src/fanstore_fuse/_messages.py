@@ -46,6 +46,7 @@ OP_W_READ = 11  # arg = chunk, body = msgpack [path, n] -> n bytes at chunk*CHUN
 OP_STAGE_OUT = 12  # body = msgpack out dir -> msgpack stage-out summary of the rank's written files
 OP_W_SYNC = 13  # body = msgpack path -> msgpack entry (the writer commits and publishes it first)
 OP_STOP = 14  # -> ack; the rank then unmounts and ends (`umount` run on another node ends every node)
+OP_W_DIRTY = 15  # body = msgpack path of a dataset directory -> ack (it now holds written entries)
 OP_NAMES = {
     OP_PING: "ping",
     OP_FETCH_BLOB: "fetch_blob",
@@ -61,6 +62,7 @@ OP_NAMES = {
     OP_STAGE_OUT: "stage_out",
     OP_W_SYNC: "written_sync",
     OP_STOP: "stop",
+    OP_W_DIRTY: "written_dir",
 }
 
 

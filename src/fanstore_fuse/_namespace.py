@@ -153,5 +153,8 @@ class Namespace:
             raise NotFound(f"entry {i} is not a symlink")
         return self.m.link(i)
 
+    def is_dir(self, i: int) -> bool:
+        return bool(self._kind[i] == KIND_DIR)
+
     def is_regular(self, i: int) -> bool:
         return stat.S_ISREG(self._mode[i])

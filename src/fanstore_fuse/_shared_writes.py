@@ -16,6 +16,12 @@ A reader asks for a chunk *as long as in its own snapshot* (the commit it saw at
 writer that only appended since (a log) still serves the snapshot's bytes, which verify. An
 open reader that reads past its snapshot's end looks again (`read_open`) and moves to the
 newest commit if that one only appended to its snapshot (`tail -f` across nodes).
+
+A dataset directory's listing on a rank that does not own it asks the owner for the entries
+written in it only once some rank wrote there: the owner tells every rank (`OP_W_DIRTY`)
+before it acknowledges the first entry published in a dataset directory, so by the time that
+create returns every rank asks (`dirty`). Other ranks' listings of untouched dataset
+directories (a `find` over the dataset) cost no message.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import errno
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -31,6 +38,7 @@ import trio
 from ._errors import ChecksumError, Exists, FanstoreError, NotCommitted, NotFound, PeerError
 from ._format import KIND_DIR, KIND_FILE, KIND_LINK, checksum
 from ._messages import (
+    OP_W_DIRTY,
     OP_W_LIST,
     OP_W_PUBLISH,
     OP_W_READ,
@@ -112,8 +120,14 @@ def is_stale(old: Published | None, new: Published) -> bool:
 
 class SharedWrites:
     def __init__(self, rank: int, placement: Locator, transport: Transport,
-                 store: WriteStore | None, timeout: float):
+                 store: WriteStore | None, timeout: float,
+                 dataset_dir: Callable[[bytes], bool] = lambda path: False):
         self.rank = rank
+        self.dataset_dir = dataset_dir  # whether a path is a directory of the dataset
+        # Dataset directories that hold entries written anywhere (every rank learns each
+        # before the first such entry is acknowledged), and the announcements under way.
+        self.dirty: set[bytes] = set()
+        self._announcing: dict[bytes, trio.Event] = {}
         self.placement = placement
         self.transport = transport
         self.store = store
@@ -279,6 +293,8 @@ class SharedWrites:
         owner = self.placement.locate_metadata(path)
         if owner == self.rank:
             return sorted(self.listings.get(path, {}).values(), key=lambda e: e.path)
+        if path not in self.dirty and self.dataset_dir(path):
+            return []  # nobody wrote here: the owner would have told this rank first
         if self._silent.get(owner, 0.0) > time.monotonic():
             raise PeerError(f"rank {owner} timed out recently")
         try:
@@ -346,6 +362,8 @@ class SharedWrites:
         table.register_inline(OP_W_LIST, self._list_now)
         table.register(OP_W_READ, self._h_read)
         table.register(OP_W_SYNC, self._h_sync)
+        table.register(OP_W_DIRTY, self._h_dirty)
+        table.register_inline(OP_W_DIRTY, self._dirty_now)
 
     async def _h_publish(self, src: int, req: Frame) -> Frame:
         w = unpack(req.body)
@@ -360,10 +378,58 @@ class SharedWrites:
                 self.entries[e.path] = e
         parent = _parent(e.path)
         if self.placement.locate_metadata(parent) == self.rank:
+            await self._announce(parent)
             listing = self.listings.setdefault(parent, {})
             if not is_stale(listing.get(e.path), e):
                 listing[e.path] = e
         return Frame(req.op, req.req_id)
+
+    async def _announce(self, path: bytes) -> None:
+        """Before the first written entry of a dataset directory is acknowledged, tell every
+        other rank that the directory holds written entries (`dirty`; their listings then ask
+        this owner). Publishes into it meanwhile wait for the same announcement. A rank that
+        does not answer within the timeout is logged and, for SILENT_SECONDS, not asked again
+        (it is taken for dead)."""
+        if path in self.dirty or not self.dataset_dir(path):
+            return
+        busy = self._announcing.get(path)
+        if busy is not None:
+            await busy.wait()
+            return
+        busy = self._announcing[path] = trio.Event()
+        body = pack(path)
+
+        async def tell(rank: int) -> None:
+            if self._silent.get(rank, 0.0) > time.monotonic():
+                return
+            try:
+                await self.transport.request(rank, Frame(OP_W_DIRTY, 0, body=body), self.timeout)
+            except FanstoreError as e:
+                if isinstance(e, PeerError):
+                    self._silent[rank] = time.monotonic() + SILENT_SECONDS
+                log.warning("rank %d did not learn that %r holds written entries: %s",
+                            rank, path, e)
+
+        try:
+            async with trio.open_nursery() as n:
+                for r in range(self.transport.size):
+                    if r != self.rank:
+                        n.start_soon(tell, r)
+            self.dirty.add(path)
+        finally:
+            del self._announcing[path]
+            busy.set()
+
+    def _dirty_now(self, src: int, req: Frame, block_upto: int) -> Frame:
+        """A dataset directory now holds written entries (`_announce`); answered on the
+        transport's thread (a set's add is atomic under the GIL)."""
+        path = unpack(req.body)
+        if isinstance(path, bytes):
+            self.dirty.add(path)
+        return Frame(req.op, req.req_id)
+
+    async def _h_dirty(self, src: int, req: Frame) -> Frame:
+        return self._dirty_now(src, req, 0)
 
     async def _h_unpublish(self, src: int, req: Frame) -> Frame:
         path = unpack(req.body)
